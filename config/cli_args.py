@@ -1,0 +1,235 @@
+"""The CLI is generated from the config dataclasses: type hints choose the
+argparse options, the docstring under each field becomes its help."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+import typing
+from typing import Any, Literal, NoReturn
+
+import msgspec
+import yaml
+
+from fleet.config.engine_args import FLAT_GROUPS, NESTED_GROUPS, EngineArgs, user_fields
+from fleet.config.model import DEFAULT_MODEL
+from fleet.config.fields import HumanReadable, attribute_docs, expand_human_numbers_in_json, parse_human_int
+
+ALIASES: dict[str, list[str]] = {
+    "tensor_parallel_size": ["-tp", "--tp"],
+    "pipeline_parallel_size": ["-pp", "--pp"],
+    "data_parallel_size": ["-dp", "--dp"],
+    "enable_expert_parallel": ["-ep"],
+    "nnodes": ["-n"],
+    "node_rank": ["-r"],
+}
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one argument group per config class, one flag per user field."""
+    for cls in FLAT_GROUPS.values():
+        group = parser.add_argument_group(cls.__name__, _first_line(cls.__doc__))
+        hints = typing.get_type_hints(cls, include_extras=True)
+        docs = attribute_docs(cls)
+        for f in user_fields(cls):
+            flags = [flag_name(f.name), *ALIASES.get(f.name, [])]
+            kwargs = argparse_kwargs(hints[f.name])
+            group.add_argument(*flags, dest=f.name, default=f.default, help=_help(docs.get(f.name, ""), f.default, kwargs), **kwargs)
+    for name, cls in NESTED_GROUPS.items():
+        group = parser.add_argument_group(cls.__name__, _first_line(cls.__doc__))
+        fields_help = "; ".join(f"{f.name}: {attribute_docs(cls).get(f.name, '')}" for f in dataclasses.fields(cls))
+        group.add_argument(
+            flag_name(name),
+            dest=name,
+            type=dataclass_parser(cls),
+            default=cls(),
+            help=f"A JSON object, or one key at a time as {flag_name(name)}.KEY VALUE. Keys: {fields_help}".replace("%", "%%"),
+        )
+
+
+def argparse_kwargs(hint: Any) -> dict[str, Any]:
+    """argparse keyword arguments for one field's type hint."""
+    optional, hint = _strip_optional(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if origin is typing.Annotated:
+        if HumanReadable in args[1:]:
+            kwargs: dict[str, Any] = {"type": parse_human_int, "metavar": "N"}
+        else:
+            return argparse_kwargs(args[0] if not optional else args[0] | None)
+    elif origin is Literal:
+        kwargs = {"type": type(args[0]), "choices": list(args)}
+    elif origin is list:
+        kwargs = {"type": args[0], "nargs": "+"}
+    elif dataclasses.is_dataclass(hint):
+        kwargs = {"type": dataclass_parser(hint)}
+    elif hint in (int, float, str):
+        kwargs = {"type": hint}
+    else:
+        raise TypeError(f"no CLI mapping for type {hint!r}")
+    if optional:
+        kwargs["type"] = _none_or(kwargs["type"])
+        if "choices" in kwargs:
+            kwargs["choices"] = [*kwargs["choices"], None]
+    return kwargs
+
+
+def dataclass_parser(cls: type):
+    """Parse a JSON object (human-readable numbers allowed) into `cls`."""
+
+    def parse(text: str):
+        try:
+            return msgspec.convert(json.loads(expand_human_numbers_in_json(text)), cls)
+        except (ValueError, msgspec.ValidationError) as error:
+            raise argparse.ArgumentTypeError(f"invalid {cls.__name__} JSON {text!r}: {error}") from None
+
+    parse.__name__ = cls.__name__
+    return parse
+
+
+def _strip_optional(hint: Any) -> tuple[bool, Any]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) < len(typing.get_args(hint)):
+            return True, args[0] if len(args) == 1 else typing.Union[tuple(args)]
+    return False, hint
+
+
+def _none_or(convert):
+    def parse(text: str):
+        return None if text in ("None", "none", "") else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+def _help(doc: str, default: Any, kwargs: dict[str, Any]) -> str:
+    if kwargs.get("action") is argparse.BooleanOptionalAction:
+        shown = "unset" if default is None else default
+    else:
+        shown = default
+    return f"{doc} (default: {shown})".replace("%", "%%")
+
+
+def _first_line(doc: str | None) -> str:
+    return (doc or "").strip().splitlines()[0] if doc else ""
+
+
+def expand_config_file(argv: list[str]) -> list[str]:
+    """Replace `--config FILE.yaml` by the flags the file holds, placed first
+    so that flags on the command line win."""
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    rest, path = [], None
+    it = iter(argv)
+    for arg in it:
+        if arg == "--config":
+            path = next(it, None)
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    if not path:
+        raise ValueError("--config needs a YAML file path")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    return [*_yaml_to_argv(data), *rest]
+
+
+def _yaml_to_argv(data: dict[str, Any]) -> list[str]:
+    argv: list[str] = []
+    for key, value in data.items():
+        flag = flag_name(str(key).lstrip("-").replace("-", "_"))
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, "None" if value is None else str(value)]
+    return argv
+
+
+def split_dotted_nested_args(argv: list[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Take `--compilation-config.KEY VALUE` (or `=VALUE`) out of argv, as
+    {"compilation_config": {"KEY": value}}; values are JSON where they parse."""
+    prefixes = {flag_name(name) + ".": name for name in NESTED_GROUPS}
+    rest: list[str] = []
+    dotted: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        prefix = next((p for p in prefixes if arg.startswith(p)), None)
+        if prefix is None:
+            rest.append(arg)
+            i += 1
+            continue
+        key, sep, value = arg[len(prefix):].partition("=")
+        if not sep:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{arg} needs a value")
+            value = argv[i + 1]
+            i += 1
+        dotted.setdefault(prefixes[prefix], {})[key.replace("-", "_")] = _json_or_text(value)
+        i += 1
+    return rest, dotted
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(expand_human_numbers_in_json(value))
+    except ValueError:
+        return value
+
+
+def _take_positional_model(namespace: argparse.Namespace) -> None:
+    tag = getattr(namespace, "model_tag", None)
+    if tag is None:
+        return
+    if namespace.model not in (DEFAULT_MODEL, tag):
+        raise ValueError(f"MODEL {tag!r} and --model {namespace.model!r} disagree: give one")
+    namespace.model = tag
+
+
+def engine_args_from_namespace(namespace: argparse.Namespace, dotted: dict[str, dict[str, Any]]) -> EngineArgs:
+    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(namespace, f.name)}
+    for name, overrides in dotted.items():
+        cls = NESTED_GROUPS[name]
+        merged = msgspec.to_builtins(values[name]) | overrides
+        try:
+            values[name] = msgspec.convert(merged, cls)
+        except msgspec.ValidationError as error:
+            raise ValueError(f"{flag_name(name)}: {error}") from None
+    return EngineArgs(**values)
+
+
+def parse_engine_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineArgs]:
+    """Parse argv (with --config and dotted nested keys) into EngineArgs."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv, dotted = split_dotted_nested_args(expand_config_file(argv))
+        namespace = parser.parse_args(argv)
+        _take_positional_model(namespace)
+        return namespace, engine_args_from_namespace(namespace, dotted)
+    except ValueError as error:
+        parser.error(str(error))

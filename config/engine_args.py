@@ -1,0 +1,172 @@
+"""EngineArgs: the flat, user-facing fields of every config class, and their
+resolution into one immutable FleetConfig."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fleet.config import env
+from fleet.config.cache import CacheConfig
+from fleet.config.compilation import CompilationConfig
+from fleet.config.device import DeviceConfig
+from fleet.config.fleet import FleetConfig
+from fleet.config.frontend import FrontendConfig
+from fleet.config.load import LoadConfig
+from fleet.config.model import DEFAULT_MODEL_ALIAS, ModelConfig
+from fleet.config.model_files import checkpoint_dtype, is_default_model, locate_model, read_hf_config
+from fleet.config.parallel import ParallelConfig
+from fleet.config.scheduler import SchedulerConfig
+
+# Config classes whose user-facing fields EngineArgs flattens, in --help order.
+FLAT_GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "load": LoadConfig,
+    "device": DeviceConfig,
+    "frontend": FrontendConfig,
+}
+# Config classes that EngineArgs holds whole, as one JSON-valued flag each.
+NESTED_GROUPS: dict[str, type] = {"compilation_config": CompilationConfig}
+
+# Limits by device when the user sets none: CPU steps are slow, so smaller steps keep latency down.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "cuda": 256}
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length")
+
+
+def user_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of a config class that the user sets (not those resolution fills in)."""
+    return [f for f in dataclasses.fields(cls) if not f.metadata.get("resolved")]
+
+
+def _engine_args_fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    fields = []
+    for cls in FLAT_GROUPS.values():
+        for f in user_fields(cls):
+            default = (
+                dataclasses.field(default=f.default)
+                if f.default is not dataclasses.MISSING
+                else dataclasses.field(default_factory=f.default_factory)
+            )
+            fields.append((f.name, f.type, default))
+    for name, cls in NESTED_GROUPS.items():
+        fields.append((name, cls, dataclasses.field(default_factory=cls)))
+    return fields
+
+
+class _EngineArgsBase:
+    def create_config(self) -> FleetConfig:
+        """Resolve every default that depends on the model, the hardware and the
+        parallel layout. Raises ValueError naming the flags of any inconsistency."""
+        device = DeviceConfig(**self._group("device")).resolve()
+        load = LoadConfig(**self._group("load"))
+        model = _resolve_model(ModelConfig(**self._group("model")), load, device)
+        parallel = ParallelConfig(**self._group("parallel")).resolve(is_moe=model.is_moe)
+        scheduler = _resolve_scheduler(SchedulerConfig(**self._group("scheduler")), model, device)
+        cache = CacheConfig(**self._group("cache"))
+        if cache.enable_prefix_caching is None:
+            cache = dataclasses.replace(cache, enable_prefix_caching=True)
+        if cache.block_size < 1:
+            raise ValueError(f"--block-size must be at least 1, got {cache.block_size}")
+        frontend = FrontendConfig(**self._group("frontend"))
+        if frontend.api_key is None:
+            frontend = dataclasses.replace(frontend, api_key=env.api_key())
+        if frontend.api_server_count < 1:
+            raise ValueError(f"--api-server-count must be at least 1, got {frontend.api_server_count}")
+        return FleetConfig(
+            model=model,
+            cache=cache,
+            parallel=parallel,
+            scheduler=scheduler,
+            load=_resolve_load_format(load, model),
+            device=device,
+            frontend=frontend,
+            compilation=self.compilation_config,
+        )
+
+    def _group(self, name: str) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in user_fields(FLAT_GROUPS[name])}
+
+
+EngineArgs = dataclasses.make_dataclass("EngineArgs", _engine_args_fields(), bases=(_EngineArgsBase,))
+EngineArgs.__module__ = __name__
+EngineArgs.__doc__ = "Every user-facing field of every config class, flat, as the CLI and fleet.LLM take them."
+
+
+def _resolve_model(model: ModelConfig, load: LoadConfig, device: DeviceConfig) -> ModelConfig:
+    path = locate_model(model.model, load.download_dir)
+    hf_config = read_hf_config(path)
+    architectures = hf_config.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"--model {model.model!r}: its config names no architectures")
+    tokenizer_path = locate_model(model.tokenizer, load.download_dir) if model.tokenizer else path
+    served = model.served_model_name or (
+        [DEFAULT_MODEL_ALIAS, model.model] if is_default_model(model.model) else [model.model]
+    )
+    return dataclasses.replace(
+        model,
+        model_path=path,
+        tokenizer_path=tokenizer_path,
+        architecture=architectures[0],
+        hf_config=hf_config,
+        served_model_name=served,
+        dtype=_resolve_dtype(model.dtype, hf_config, device),
+        max_model_len=_resolve_max_model_len(model.max_model_len, hf_config),
+    )
+
+
+def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: DeviceConfig) -> str:
+    if dtype != "auto":
+        if dtype == "float16" and device.device == "cpu":
+            raise ValueError("--dtype float16 is not supported on the CPU; use bfloat16 or float32")
+        return dtype
+    stored = checkpoint_dtype(hf_config)
+    if stored == "float16" and device.device == "cpu":
+        return "bfloat16"
+    return stored if stored in ("float32", "bfloat16", "float16") else "float32"
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:
+    supported = next((int(hf_config[k]) for k in CONTEXT_LENGTH_KEYS if hf_config.get(k)), None)
+    if supported is None:
+        if requested is None:
+            raise ValueError("the model's config gives no context length: set --max-model-len")
+        return requested
+    if requested is None:
+        return supported
+    if not 0 < requested <= supported:
+        raise ValueError(f"--max-model-len {requested} must be in [1, {supported}] (the model's context length)")
+    return requested
+
+
+def _resolve_scheduler(scheduler: SchedulerConfig, model: ModelConfig, device: DeviceConfig) -> SchedulerConfig:
+    chunked = True if scheduler.enable_chunked_prefill is None else scheduler.enable_chunked_prefill
+    max_model_len = model.max_model_len
+    assert max_model_len is not None
+    tokens = scheduler.max_num_batched_tokens
+    if tokens is None:
+        tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[device.device]
+        if not chunked:
+            tokens = max(tokens, max_model_len)
+    elif not chunked and tokens < max_model_len:
+        raise ValueError(
+            f"--max-num-batched-tokens {tokens} is smaller than --max-model-len {max_model_len}: "
+            "a prompt would never fit in one step; raise it or turn on --enable-chunked-prefill"
+        )
+    seqs = scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device.device]
+    if tokens < 1 or seqs < 1:
+        raise ValueError(f"--max-num-batched-tokens ({tokens}) and --max-num-seqs ({seqs}) must be at least 1")
+    return dataclasses.replace(
+        scheduler, max_num_batched_tokens=tokens, max_num_seqs=seqs, enable_chunked_prefill=chunked
+    )
+
+
+def _resolve_load_format(load: LoadConfig, model: ModelConfig) -> LoadConfig:
+    detected = "gguf" if model.is_gguf else "safetensors"
+    if load.load_format == "auto":
+        return dataclasses.replace(load, load_format=detected)
+    if load.load_format != "dummy" and load.load_format != detected:
+        raise ValueError(f"--load-format {load.load_format} does not fit --model {model.model_path} ({detected})")
+    return load

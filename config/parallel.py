@@ -1,0 +1,195 @@
+"""How one job is spread over processes, devices and nodes."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fleet.config.fields import RESOLVED
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout: tensor, pipeline, data and expert parallel, nodes and load balancing."""
+
+    tensor_parallel_size: int = 1
+    """Number of tensor-parallel workers per pipeline stage: each holds a slice of every layer."""
+    pipeline_parallel_size: int = 1
+    """Number of pipeline stages: the layers are split evenly across them."""
+    data_parallel_size: int = 1
+    """Number of data-parallel replicas (engine cores) in the whole job, over all nodes."""
+    data_parallel_size_local: int | None = None
+    """Number of data-parallel replicas that run on this node. Unset: derived from --nnodes, or all of them."""
+    data_parallel_rank: int | None = None
+    """Rank of the one replica this launch runs; setting it selects external load balancing."""
+    data_parallel_start_rank: int | None = None
+    """Rank of the first replica on this node; with --data-parallel-size-local it selects hybrid load balancing."""
+    data_parallel_address: str | None = None
+    """Address of the node that runs data-parallel rank 0, where the others connect. Default: --master-addr."""
+    data_parallel_rpc_port: int = 29550
+    """Port on --data-parallel-address where launches of one job find each other."""
+    data_parallel_hybrid_lb: bool = False
+    """Hybrid load balancing: every node runs its own API servers, which balance only over that node's replicas."""
+    data_parallel_external_lb: bool = False
+    """External load balancing: every launch runs one replica and its API server; a balancer outside fleet spreads the requests."""
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    """How engine cores are started: local processes (mp) or Ray actors (ray)."""
+    distributed_executor_backend: Literal["uni", "mp", "ray"] = "mp"
+    """How workers are started: inside the engine-core process (uni, one worker only), as processes (mp) or as Ray actors (ray)."""
+    enable_expert_parallel: bool = False
+    """Split the experts of MoE layers across all data- and tensor-parallel ranks of a stage instead of slicing each expert."""
+    nnodes: int = 1
+    """Number of machines the job spans."""
+    node_rank: int = 0
+    """Rank of this machine among --nnodes (0 runs the API servers with internal load balancing)."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where torch.distributed meets."""
+    master_port: int | None = None
+    """Port on --master-addr for torch.distributed. Unset: a free port is bound at start-up (one node only)."""
+    headless: bool = False
+    """Run engines and workers only, no API server (the other nodes of an internal-LB job)."""
+    distributed_timeout_seconds: int = 300
+    """How long a node waits for the others (and every process for its peers) before it gives up."""
+    is_moe: bool = field(default=False, metadata=RESOLVED)
+    """Resolved from the model: whether it has mixture-of-experts layers."""
+
+    @property
+    def world_size(self) -> int:
+        """Workers in the whole job: data x pipeline x tensor parallel."""
+        return self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
+    def replica_size(self) -> int:
+        """Workers in one data-parallel replica: pipeline x tensor parallel."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
+    def world_size_local(self) -> int:
+        """Workers that run on this node."""
+        return self.world_size // self.nnodes
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks that share the experts of one stage (1 when expert parallel is off)."""
+        if not self.enable_expert_parallel:
+            return 1
+        return self.data_parallel_size * self.tensor_parallel_size
+
+    def as_dict(self) -> dict:
+        """Every field plus the derived sizes, as plain data (for `fleet plan`)."""
+        data = dataclasses.asdict(self)
+        for name in ("world_size", "world_size_local", "replica_size", "expert_parallel_size"):
+            data[name] = getattr(self, name)
+        return data
+
+    def resolve(self, is_moe: bool) -> ParallelConfig:
+        """Resolve load-balancing mode and this node's data-parallel ranks.
+
+        The rules are vLLM's (`create_engine_config`), so that users can move
+        their multi-node command lines between the two. Raises ValueError
+        naming the flags of any inconsistency.
+        """
+        _check_sizes(self)
+        if self.data_parallel_hybrid_lb and self.data_parallel_external_lb:
+            raise ValueError("--data-parallel-hybrid-lb and --data-parallel-external-lb cannot both be set")
+        if self.data_parallel_hybrid_lb and self.headless:
+            raise ValueError("--data-parallel-hybrid-lb does not apply with --headless (a headless node serves no HTTP)")
+        if self.nnodes > 1 and self.data_parallel_backend == "ray":
+            raise ValueError("--nnodes > 1 is only supported with --data-parallel-backend mp (Ray places the engines itself)")
+
+        local_size = self.data_parallel_size_local
+        rank = self.data_parallel_rank
+        inferred_rank = 0
+        if self.nnodes > 1:
+            inferred_rank = (self.node_rank * self.world_size_local) // self.replica_size
+            if self.data_parallel_size > 1 and self.data_parallel_external_lb:
+                rank = inferred_rank
+            elif local_size is None:
+                local_size = max(self.world_size_local // self.replica_size, 1)
+
+        external = self.data_parallel_external_lb or rank is not None
+        hybrid = self.data_parallel_hybrid_lb
+        if self.data_parallel_size > 1 and external and not is_moe:
+            raise ValueError(
+                "--data-parallel-rank / --data-parallel-external-lb need a MoE model when --data-parallel-size > 1: "
+                "for a dense model launch independent servers without --data-parallel-* flags"
+            )
+        if external:
+            if local_size not in (1, None):
+                raise ValueError(
+                    f"--data-parallel-size-local must be 1 or unset with external load balancing "
+                    f"(--data-parallel-rank / --data-parallel-external-lb), got {local_size}"
+                )
+            local_size, hybrid = 1, False
+            rank = rank if rank is not None else inferred_rank
+        elif local_size is not None:
+            if self.data_parallel_start_rank and not self.headless:
+                hybrid = True
+            if hybrid and local_size == 1:
+                logger.warning("hybrid load balancing with --data-parallel-size-local 1 is external load balancing; switching")
+                external, hybrid = True, False
+            if local_size == self.data_parallel_size:
+                hybrid = False
+            rank = self.data_parallel_start_rank or inferred_rank
+        else:
+            if hybrid:
+                raise ValueError("--data-parallel-hybrid-lb needs --data-parallel-size-local")
+            local_size = self.data_parallel_size
+            rank = 0
+
+        headless = self.headless
+        if self.nnodes > 1 and self.node_rank > 0 and not (external or hybrid) and not headless:
+            logger.info("node rank %d of an internal-LB job runs headless: node 0 serves HTTP", self.node_rank)
+            headless = True
+        resolved = dataclasses.replace(
+            self,
+            headless=headless,
+            data_parallel_size_local=local_size,
+            data_parallel_rank=rank,
+            data_parallel_start_rank=rank,
+            data_parallel_external_lb=external,
+            data_parallel_hybrid_lb=hybrid,
+            data_parallel_address=self.data_parallel_address or self.master_addr,
+            is_moe=is_moe,
+        )
+        _check_ranks(resolved)
+        return resolved
+
+
+def _check_sizes(config: ParallelConfig) -> None:
+    for flag, value in (
+        ("--tensor-parallel-size", config.tensor_parallel_size),
+        ("--pipeline-parallel-size", config.pipeline_parallel_size),
+        ("--data-parallel-size", config.data_parallel_size),
+        ("--nnodes", config.nnodes),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if config.world_size % config.nnodes:
+        raise ValueError(
+            f"world size {config.world_size} (--data-parallel-size {config.data_parallel_size} x "
+            f"--pipeline-parallel-size {config.pipeline_parallel_size} x --tensor-parallel-size "
+            f"{config.tensor_parallel_size}) must be divisible by --nnodes {config.nnodes}"
+        )
+    if not 0 <= config.node_rank < config.nnodes:
+        raise ValueError(f"--node-rank {config.node_rank} must be in [0, --nnodes {config.nnodes})")
+    if config.distributed_executor_backend == "uni" and config.replica_size > 1:
+        raise ValueError(
+            f"--distributed-executor-backend uni runs one worker, but a replica has {config.replica_size} "
+            "(--tensor-parallel-size x --pipeline-parallel-size); use mp or ray"
+        )
+
+
+def _check_ranks(config: ParallelConfig) -> None:
+    local, rank, size = config.data_parallel_size_local, config.data_parallel_rank, config.data_parallel_size
+    assert local is not None and rank is not None
+    if not 1 <= local <= size:
+        raise ValueError(f"--data-parallel-size-local {local} must be in [1, --data-parallel-size {size}]")
+    if not 0 <= rank or rank + local > size:
+        raise ValueError(
+            f"data-parallel ranks {rank}..{rank + local - 1} of this node (--data-parallel-rank / "
+            f"--data-parallel-start-rank, --data-parallel-size-local) exceed --data-parallel-size {size}"
+        )

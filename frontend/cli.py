@@ -1,0 +1,54 @@
+"""`fleet`: the command line. `fleet launch` serves; `fleet plan` prints what
+a launch with the same flags would start, without starting anything."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fleet.config.cli_args import OneLineErrorParser, add_engine_args, parse_engine_args
+
+COMMANDS = {
+    "launch": "Serve a model over an OpenAI-compatible HTTP API.",
+    "plan": "Print this node's resolved launch plan as JSON; starts nothing and reads no weights.",
+}
+
+
+def launch_parser(command: str) -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog=f"fleet {command}", description=COMMANDS[command])
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="Model to serve (same as --model).")
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values; flags on the command line win.")
+    add_engine_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:8} {text}" for name, text in COMMANDS.items()]
+        message = "usage: fleet {launch,plan} [MODEL] [flags]\n\n" + "\n".join(lines) + "\n"
+        if argv and argv[0] not in ("-h", "--help"):
+            sys.stderr.write(f"fleet: error: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}\n")
+            return 2
+        sys.stdout.write(message)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    parser = launch_parser(command)
+    _, engine_args = parse_engine_args(parser, rest)
+    try:
+        config = engine_args.create_config()
+    except ValueError as error:
+        parser.error(str(error))
+    from fleet.frontend.plan import node_plan
+
+    if command == "plan":
+        json.dump(node_plan(config), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    json.dump(node_plan(config), sys.stdout, indent=2)
+    sys.stdout.write("\nfleet launch: the engine is not built yet; this is the plan it will follow.\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The launch plan of one node: which processes it runs, with which ranks and
+addresses. Pure data from a resolved FleetConfig; `fleet plan` prints it and
+the launcher follows it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fleet.config.fleet import FleetConfig
+from fleet.config.parallel import ParallelConfig
+from fleet.parallel.dims import coord_of, node_engine_ranks, node_worker_ranks, parallel_groups
+
+
+def runs_api_servers(parallel: ParallelConfig) -> bool:
+    return not parallel.headless
+
+
+def runs_dp_coordinator(parallel: ParallelConfig) -> bool:
+    """The coordinator runs beside data-parallel rank 0, when there are several ranks."""
+    return parallel.data_parallel_size > 1 and 0 in node_engine_ranks(parallel)
+
+
+def engine_transport(parallel: ParallelConfig) -> str:
+    """ipc:// when every engine of the job shares this node with its API servers, else tcp://."""
+    single_launch = parallel.nnodes == 1 and parallel.data_parallel_size_local == parallel.data_parallel_size
+    if single_launch:
+        return "ipc"
+    return f"tcp://{parallel.data_parallel_address}:{parallel.data_parallel_rpc_port}"
+
+
+def node_processes(config: FleetConfig) -> list[dict[str, Any]]:
+    parallel = config.parallel
+    processes: list[dict[str, Any]] = []
+    if runs_api_servers(parallel):
+        url = f"http://{config.frontend.host}:{config.frontend.port}"
+        for index in range(config.frontend.api_server_count):
+            processes.append({"kind": "api_server", "name": f"fleet-api-{index}", "index": index, "url": url})
+    if runs_dp_coordinator(parallel):
+        processes.append({"kind": "dp_coordinator", "name": "fleet-dp-coordinator"})
+    for dp_rank in node_engine_ranks(parallel):
+        first = dp_rank * parallel.replica_size
+        processes.append(
+            {
+                "kind": "engine_core",
+                "name": f"fleet-engine-dp{dp_rank}",
+                "dp_rank": dp_rank,
+                "workers": list(range(first, first + parallel.replica_size)),
+                "executor": parallel.distributed_executor_backend,
+            }
+        )
+    for local_rank, rank in enumerate(node_worker_ranks(parallel)):
+        coord = coord_of(parallel, rank)
+        processes.append(
+            {
+                "kind": "worker",
+                "name": f"fleet-worker-dp{coord.dp}-pp{coord.pp}-tp{coord.tp}",
+                "rank": rank,
+                "local_rank": local_rank,
+                "dp_rank": coord.dp,
+                "pp_rank": coord.pp,
+                "tp_rank": coord.tp,
+                "device": "cpu" if config.device.device == "cpu" else f"cuda:{local_rank}",
+            }
+        )
+    return processes
+
+
+def node_plan(config: FleetConfig) -> dict[str, Any]:
+    """Everything `fleet plan` prints: config facts, groups and processes."""
+    parallel = config.parallel
+    master_port = parallel.master_port if parallel.master_port is not None else "bound at start-up"
+    return {
+        "parallel": parallel.as_dict(),
+        "groups": parallel_groups(parallel)._asdict(),
+        "processes": node_processes(config),
+        "addresses": {
+            "engines": engine_transport(parallel),
+            "torch_distributed": f"tcp://{parallel.master_addr}:{master_port}",
+            "backend": config.device.distributed_backend,
+        },
+        "model": config.model.summary(),
+        "scheduler": dataclasses.asdict(config.scheduler),
+        "cache": dataclasses.asdict(config.cache),
+        "device": dataclasses.asdict(config.device),
+        "load": dataclasses.asdict(config.load),
+        "frontend": {k: v for k, v in dataclasses.asdict(config.frontend).items() if k != "api_key"},
+        "compilation": dataclasses.asdict(config.compilation),
+    }

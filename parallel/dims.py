@@ -1,0 +1,77 @@
+"""Worker ranks and parallel groups as pure data: no torch, no processes.
+
+Global worker rank = ((dp * PP) + pp) * TP + tp, so a tensor-parallel group
+is consecutive ranks, a pipeline group strides TP, a data-parallel group
+strides PP * TP, and an expert-parallel group is every DP x TP rank of one
+pipeline stage.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from fleet.config.parallel import ParallelConfig
+
+
+class WorkerCoord(NamedTuple):
+    dp: int
+    pp: int
+    tp: int
+
+
+class ParallelGroups(NamedTuple):
+    tp: list[list[int]]
+    pp: list[list[int]]
+    dp: list[list[int]]
+    ep: list[list[int]]
+    """Empty when expert parallel is off."""
+
+
+def global_rank(config: ParallelConfig, coord: WorkerCoord) -> int:
+    return (coord.dp * config.pipeline_parallel_size + coord.pp) * config.tensor_parallel_size + coord.tp
+
+
+def coord_of(config: ParallelConfig, rank: int) -> WorkerCoord:
+    tp = rank % config.tensor_parallel_size
+    pp = (rank // config.tensor_parallel_size) % config.pipeline_parallel_size
+    dp = rank // config.replica_size
+    return WorkerCoord(dp, pp, tp)
+
+
+def parallel_groups(config: ParallelConfig) -> ParallelGroups:
+    dps, pps, tps = config.data_parallel_size, config.pipeline_parallel_size, config.tensor_parallel_size
+
+    def rank(dp: int, pp: int, tp: int) -> int:
+        return global_rank(config, WorkerCoord(dp, pp, tp))
+
+    tp_groups = [[rank(d, p, t) for t in range(tps)] for d in range(dps) for p in range(pps)]
+    pp_groups = [[rank(d, p, t) for p in range(pps)] for d in range(dps) for t in range(tps)]
+    dp_groups = [[rank(d, p, t) for d in range(dps)] for p in range(pps) for t in range(tps)]
+    ep_groups = (
+        [sorted(rank(d, p, t) for d in range(dps) for t in range(tps)) for p in range(pps)]
+        if config.enable_expert_parallel
+        else []
+    )
+    return ParallelGroups(tp_groups, pp_groups, dp_groups, ep_groups)
+
+
+def node_worker_ranks(config: ParallelConfig) -> range:
+    """Global ranks of the workers this launch runs.
+
+    With --nnodes, each node runs an equal slice of the world (a replica may
+    span nodes); otherwise a launch runs the whole replicas of its local
+    data-parallel ranks.
+    """
+    if config.nnodes > 1:
+        start = config.node_rank * config.world_size_local
+        return range(start, start + config.world_size_local)
+    first_dp, local = config.data_parallel_rank or 0, config.data_parallel_size_local or config.data_parallel_size
+    return range(first_dp * config.replica_size, (first_dp + local) * config.replica_size)
+
+
+def node_engine_ranks(config: ParallelConfig) -> list[int]:
+    """Data-parallel ranks whose engine core runs on this launch: those whose
+    first worker (pp=0, tp=0) is one of this launch's workers."""
+    workers = node_worker_ranks(config)
+    first_dp = config.data_parallel_rank or 0
+    local = config.data_parallel_size_local or config.data_parallel_size
+    return [dp for dp in range(first_dp, first_dp + local) if dp * config.replica_size in workers]
