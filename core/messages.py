@@ -1,0 +1,221 @@
+"""Every message on every socket: one msgspec Struct per kind, one tagged union
+per socket. `core/serial.py` encodes them; nothing here imports torch.
+
+Sockets and what travels on them:
+  API server -> engine core   EngineInput   = EngineCoreRequest | Abort | UtilityCall | Shutdown
+  engine core -> API server   EngineOutput  = EngineCoreOutputs | UtilityResult | EngineDead
+  engine core -> workers      WorkerInput   = SchedulerOutput | WorkerUtilityCall | Shutdown
+  driver worker -> engine     WorkerOutput  = ModelRunnerOutput | WorkerUtilityResult | WorkerDead
+  child -> parent at start-up Handshake     = Ready | StartupFailed
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from fleet.core.sampling_params import SamplingParams
+
+
+class Struct(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """Base of the wire messages: positional encoding, no GC tracking."""
+
+
+# ---- API server -> engine core ------------------------------------------------
+
+
+class EngineCoreRequest(Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    client_index: int = 0
+    """Index of the API server (or LLM client) that sent it: where outputs go."""
+    priority: int = 0
+    """Lower runs first under the priority policy."""
+
+
+class Abort(Struct, tag=True):
+    request_ids: list[str]
+
+
+class UtilityCall(Struct, tag=True):
+    call_id: int
+    method: str
+    """A name in EngineCore.UTILITY_METHODS, e.g. "health", "reset_prefix_cache", "kv_stats"."""
+    args: list[Any] = []
+    client_index: int = 0
+
+
+class Shutdown(Struct, tag=True):
+    reason: str = ""
+
+
+EngineInput = EngineCoreRequest | Abort | UtilityCall | Shutdown
+
+
+# ---- engine core -> API server ------------------------------------------------
+
+
+class TokenLogprobs(Struct):
+    """Log-probabilities at one position: the chosen token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    """Rank of each token in the full distribution (1 = most likely)."""
+
+
+class EngineCoreOutput(Struct):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """For prompt positions 1.. (position 0 has none), sent once the prompt is done."""
+    finish_reason: str | None = None
+    """None while running; then "stop", "length", "abort" or "error"."""
+    stop_reason: int | str | None = None
+    """The stop token id (or stop string, set by the front end) that ended the request."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache."""
+
+
+class SchedulerStats(Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache since the last stats."""
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    step_counter: int = 0
+
+
+class EngineCoreOutputs(Struct, tag=True):
+    engine_index: int
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+    scheduler_stats: SchedulerStats | None = None
+
+
+class UtilityResult(Struct, tag=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineDead(Struct, tag=True):
+    engine_index: int
+    reason: str
+
+
+EngineOutput = EngineCoreOutputs | UtilityResult | EngineDead
+
+
+# ---- engine core -> workers: the step plan --------------------------------------
+
+
+class NewRequestData(Struct):
+    """A request the workers have not seen (or must rebuild after preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = []
+    """Tokens generated before a preemption; empty for a fresh request."""
+
+
+class CachedRequestData(Struct):
+    """What changed for a request the workers already hold."""
+
+    request_id: str
+    new_token_ids: list[int]
+    """Tokens appended since the last plan that named this request (sampled ones)."""
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(Struct, tag=True):
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    """Tokens each request computes this step; its order is the batch order."""
+    finished_request_ids: list[str]
+    """Requests finished or preempted since the last plan: workers drop their state."""
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class WorkerUtilityCall(Struct, tag=True):
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+WorkerInput = SchedulerOutput | WorkerUtilityCall | Shutdown
+
+
+# ---- driver worker -> engine core -----------------------------------------------
+
+
+class ModelRunnerOutput(Struct, tag=True):
+    step_id: int
+    request_ids: list[str]
+    """Requests that sampled a token this step (prefill chunks that end mid-prompt do not)."""
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    """Aligned with request_ids; None where the request asked for none."""
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    """Per request, the prompt positions computed this step."""
+
+
+class WorkerUtilityResult(Struct, tag=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class WorkerDead(Struct, tag=True):
+    rank: int
+    reason: str
+
+
+WorkerOutput = ModelRunnerOutput | WorkerUtilityResult | WorkerDead
+
+
+# ---- start-up handshake ---------------------------------------------------------
+
+
+class KVCapacity(Struct):
+    num_blocks: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class Ready(Struct, tag=True):
+    """A child is up. Workers report their KV capacity; engine cores the
+    job-wide capacity and the addresses they bound."""
+
+    name: str
+    pid: int
+    kv_capacity: KVCapacity | None = None
+    addresses: dict[str, str] = {}
+
+
+class StartupFailed(Struct, tag=True):
+    name: str
+    pid: int
+    error: str
+
+
+Handshake = Ready | StartupFailed

@@ -1,0 +1,90 @@
+"""SamplingParams: how one request samples, as OpenAI and vLLM define it.
+
+The same class travels on the wire (a msgspec Struct), is built by the API
+server from a request body, and is what `fleet.SamplingParams` is for
+offline use. `validate()` runs before a request reaches the engine.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class InvalidParameter(ValueError):
+    """A request parameter is out of range; `param` names it (OpenAI's error `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    n: int = 1
+    """Completions per prompt."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1: off."""
+    min_p: float = 0.0
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same text whatever else is in the batch."""
+    stop: list[str] = []
+    """Strings that end the output; they are left out of the text."""
+    stop_token_ids: list[int] = []
+    max_tokens: int | None = 16
+    """None: up to the model's context length."""
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Top log-probabilities to return per generated token (0: only the sampled token's)."""
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def validate(self, max_logprobs: int = 20) -> SamplingParams:
+        """Raise InvalidParameter naming the first bad field; return self."""
+        checks = [
+            ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("temperature", 0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
+            ("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= -1, f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            ("min_tokens", self.min_tokens >= 0, f"min_tokens must be at least 0, got {self.min_tokens}"),
+            (
+                "min_tokens",
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            ),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= max_logprobs,
+                f"logprobs must be in [0, {max_logprobs}], got {self.logprobs}",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= max_logprobs,
+                f"prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs}",
+            ),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+        ]
+        for param, ok, message in checks:
+            if not ok:
+                raise InvalidParameter(param, message)
+        return self
