@@ -81,11 +81,29 @@ def argparse_kwargs(hint: Any) -> dict[str, Any]:
         kwargs = {"type": hint}
     else:
         raise TypeError(f"no CLI mapping for type {hint!r}")
-    if optional:
+    if optional and kwargs.get("nargs") == "+":
+        kwargs["action"] = _OptionalListAction
+    elif optional:
         kwargs["type"] = _none_or(kwargs["type"])
         if "choices" in kwargs:
             kwargs["choices"] = [*kwargs["choices"], None]
     return kwargs
+
+
+class _OptionalListAction(argparse.Action):
+    """A list flag whose single value `None` means unset."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, None if list(values) == ["None"] else values)
+
+
+def convert_to_dataclass(data: Any, cls: type) -> Any:
+    """msgspec.convert, but an unknown key is an error rather than ignored."""
+    if isinstance(data, dict):
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown}; known: {[f.name for f in dataclasses.fields(cls)]}")
+    return msgspec.convert(data, cls)
 
 
 def dataclass_parser(cls: type):
@@ -93,7 +111,7 @@ def dataclass_parser(cls: type):
 
     def parse(text: str):
         try:
-            return msgspec.convert(json.loads(expand_human_numbers_in_json(text)), cls)
+            return convert_to_dataclass(json.loads(expand_human_numbers_in_json(text)), cls)
         except (ValueError, msgspec.ValidationError) as error:
             raise argparse.ArgumentTypeError(f"invalid {cls.__name__} JSON {text!r}: {error}") from None
 
@@ -149,7 +167,7 @@ def expand_config_file(argv: list[str]) -> list[str]:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as error:
-        raise ValueError(f"--config {path}: {error}") from None
+        raise ValueError(f"--config {path}: {' '.join(str(error).split())}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of flag names to values")
     return [*_yaml_to_argv(data), *rest]
@@ -164,10 +182,22 @@ def _yaml_to_argv(data: dict[str, Any]) -> list[str]:
         elif isinstance(value, list):
             argv += [flag, *map(str, value)]
         elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
+            argv += [flag, json.dumps(_human_numbers_as_ints(value))]
         else:
             argv += [flag, "None" if value is None else str(value)]
     return argv
+
+
+def _human_numbers_as_ints(value: Any) -> Any:
+    """YAML reads `1k` as a string; inside a nested config it means 1000, as on the CLI."""
+    if isinstance(value, dict):
+        return {k: _human_numbers_as_ints(v) for k, v in value.items()}
+    if isinstance(value, str):
+        try:
+            return parse_human_int(value)
+        except ValueError:
+            return value
+    return value
 
 
 def split_dotted_nested_args(argv: list[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
@@ -217,8 +247,8 @@ def engine_args_from_namespace(namespace: argparse.Namespace, dotted: dict[str, 
         cls = NESTED_GROUPS[name]
         merged = msgspec.to_builtins(values[name]) | overrides
         try:
-            values[name] = msgspec.convert(merged, cls)
-        except msgspec.ValidationError as error:
+            values[name] = convert_to_dataclass(merged, cls)
+        except (ValueError, msgspec.ValidationError) as error:
             raise ValueError(f"{flag_name(name)}: {error}") from None
     return EngineArgs(**values)
 

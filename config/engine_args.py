@@ -12,7 +12,7 @@ from fleet.config.device import DeviceConfig
 from fleet.config.fleet import FleetConfig
 from fleet.config.frontend import FrontendConfig
 from fleet.config.load import LoadConfig
-from fleet.config.model import DEFAULT_MODEL_ALIAS, ModelConfig
+from fleet.config.model import DEFAULT_MODEL, DEFAULT_MODEL_ALIAS, ModelConfig
 from fleet.config.model_files import checkpoint_dtype, is_default_model, locate_model, read_hf_config
 from fleet.config.parallel import ParallelConfig
 from fleet.config.scheduler import SchedulerConfig
@@ -103,7 +103,7 @@ def _resolve_model(model: ModelConfig, load: LoadConfig, device: DeviceConfig) -
         raise ValueError(f"--model {model.model!r}: its config names no architectures")
     tokenizer_path = locate_model(model.tokenizer, load.download_dir) if model.tokenizer else path
     served = model.served_model_name or (
-        [DEFAULT_MODEL_ALIAS, model.model] if is_default_model(model.model) else [model.model]
+        [DEFAULT_MODEL_ALIAS, DEFAULT_MODEL] if is_default_model(model.model) else [model.model]
     )
     return dataclasses.replace(
         model,
@@ -155,7 +155,7 @@ def _resolve_scheduler(scheduler: SchedulerConfig, model: ModelConfig, device: D
             f"--max-num-batched-tokens {tokens} is smaller than --max-model-len {max_model_len}: "
             "a prompt would never fit in one step; raise it or turn on --enable-chunked-prefill"
         )
-    seqs = scheduler.max_num_seqs or DEFAULT_MAX_NUM_SEQS[device.device]
+    seqs = DEFAULT_MAX_NUM_SEQS[device.device] if scheduler.max_num_seqs is None else scheduler.max_num_seqs
     if tokens < 1 or seqs < 1:
         raise ValueError(f"--max-num-batched-tokens ({tokens}) and --max-num-seqs ({seqs}) must be at least 1")
     return dataclasses.replace(

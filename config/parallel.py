@@ -11,6 +11,10 @@ from fleet.config.fields import RESOLVED
 logger = logging.getLogger(__name__)
 
 
+MULTI_NODE_MASTER_PORT = 29501
+"""--master-port of a multi-node job that names none: every node must agree, so no free port is picked."""
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Parallel layout: tensor, pipeline, data and expert parallel, nodes and load balancing."""
@@ -48,7 +52,7 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     """Address of node 0, where torch.distributed meets."""
     master_port: int | None = None
-    """Port on --master-addr for torch.distributed. Unset: a free port is bound at start-up (one node only)."""
+    """Port on --master-addr for torch.distributed. Unset: a free port bound at start-up on one node, 29501 across nodes."""
     headless: bool = False
     """Run engines and workers only, no API server (the other nodes of an internal-LB job)."""
     distributed_timeout_seconds: int = 300
@@ -153,6 +157,7 @@ class ParallelConfig:
             data_parallel_external_lb=external,
             data_parallel_hybrid_lb=hybrid,
             data_parallel_address=self.data_parallel_address or self.master_addr,
+            master_port=self.master_port if self.master_port is not None or self.nnodes == 1 else MULTI_NODE_MASTER_PORT,
             is_moe=is_moe,
         )
         _check_ranks(resolved)
