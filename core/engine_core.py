@@ -1,0 +1,267 @@
+"""The engine core: schedule -> execute -> update -> send, in a loop.
+
+`EngineCore` is the step logic; `python -m fleet.core.engine_core` is the
+engine-core process around it, with socket I/O on background threads so that
+encoding and decoding overlap the model step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from fleet.config.fleet import FleetConfig
+from fleet.core import ipc, serial
+from fleet.core.messages import (
+    Abort,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineInput,
+    KVCapacity,
+    ModelRunnerOutput,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    UtilityCall,
+    UtilityResult,
+)
+from fleet.core.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and the executor of one data-parallel replica."""
+
+    UTILITY_METHODS = ("health", "reset_prefix_cache", "kv_stats")
+
+    def __init__(self, config: FleetConfig, dp_rank: int = 0):
+        from fleet.workers.executor import make_executor  # deferred: the executor picks what it imports
+
+        self.config = config
+        self.dp_rank = dp_rank
+        self.executor = make_executor(config, dp_rank)
+        self.kv_capacity: KVCapacity = self.executor.start()
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            max_model_len=config.model.max_model_len,
+            num_blocks=self.kv_capacity.num_blocks,
+            eos_token_id=_eos_token_id(config),
+        )
+        self.client_of_request: dict[str, int] = {}
+        self.rejected: list[tuple[int, EngineCoreOutput]] = []
+        self._log_capacity()
+
+    def _log_capacity(self) -> None:
+        capacity = self.kv_capacity
+        concurrency = capacity.num_tokens / self.config.model.max_model_len
+        logger.info(
+            "engine dp%d: KV cache of %d blocks = %d tokens; %.2fx concurrency at max model length %d",
+            self.dp_rank, capacity.num_blocks, capacity.num_tokens, concurrency, self.config.model.max_model_len,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; one the scheduler refuses is answered with an error
+        output instead (front ends validate first, so this is a last guard)."""
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as error:
+            logger.warning("rejected request %s: %s", request.request_id, error)
+            rejection = EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=str(error))
+            self.rejected.append((request.client_index, rejection))
+            return
+        self.client_of_request[request.request_id] = request.client_index
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests([r for r in request_ids if r in self.client_of_request])
+
+    def has_work(self) -> bool:
+        scheduler = self.scheduler
+        return scheduler.has_unfinished_requests() or scheduler.has_finished_requests() or bool(self.rejected)
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """Run one step; return the outputs grouped by the client that gets them."""
+        plan = self.scheduler.schedule()
+        if plan.num_scheduled_tokens or plan.finished_request_ids:  # workers must drop finished requests too
+            result = self.executor.execute(plan)
+        else:
+            result = ModelRunnerOutput(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
+        outputs = self.scheduler.update_from_output(plan, result)
+        return self._group_by_client(outputs)
+
+    def _group_by_client(self, outputs: list[EngineCoreOutput]) -> dict[int, EngineCoreOutputs]:
+        now = time.time()
+        stats = self.scheduler.make_stats()
+        grouped: dict[int, EngineCoreOutputs] = {}
+
+        def bucket(client: int) -> list[EngineCoreOutput]:
+            if client not in grouped:
+                grouped[client] = EngineCoreOutputs(self.dp_rank, [], now, stats)
+            return grouped[client].outputs
+
+        for client, output in self.rejected:
+            bucket(client).append(output)
+        self.rejected.clear()
+        for output in outputs:
+            client = self.client_of_request.get(output.request_id, 0)
+            if output.finish_reason is not None:
+                self.client_of_request.pop(output.request_id, None)
+            bucket(client).append(output)
+        return grouped
+
+    def utility(self, method: str, args: list[Any]) -> Any:
+        if method == "health":
+            return True
+        if method == "reset_prefix_cache":
+            return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        if method == "kv_stats":
+            manager = self.scheduler.kv_cache_manager
+            return {"num_free_blocks": manager.num_free_blocks, "num_blocks": manager.num_blocks}
+        raise ValueError(f"unknown utility {method!r}; choose from {self.UTILITY_METHODS}")
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _eos_token_id(config: FleetConfig) -> int | None:
+    eos = config.model.hf_config.get("eos_token_id")
+    return eos[0] if isinstance(eos, list) else eos
+
+
+# ---- the engine-core process ------------------------------------------------------------
+
+
+class EngineCoreStartupInfo(msgspec.Struct):
+    config: FleetConfig
+    dp_rank: int
+    handshake_address: str
+    input_addresses: list[str]
+    """One ROUTER per client (API server or LLM): requests come from there."""
+    output_addresses: list[str]
+    """One PULL per client: outputs go there, by the request's client_index."""
+
+
+class EngineCoreProcess:
+    def __init__(self, name: str, info: EngineCoreStartupInfo):
+        self.name = name
+        self.info = info
+        self.inputs: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()
+        self.ctx = zmq.Context()
+
+    def run(self) -> None:
+        try:
+            self.engine = EngineCore(self.info.config, self.info.dp_rank)
+        except Exception as error:
+            logger.exception("%s failed to start", self.name)
+            ipc.report(self.info.handshake_address, StartupFailed(self.name, os.getpid(), f"{type(error).__name__}: {error}"))
+            sys.exit(1)
+        self._start_io_threads()
+        ipc.report(self.info.handshake_address, Ready(self.name, os.getpid(), kv_capacity=self.engine.kv_capacity))
+        try:
+            self._busy_loop()
+        except Exception as error:
+            logger.exception("%s died", self.name)
+            self.outputs.put((None, EngineDead(self.info.dp_rank, f"{self.name}: {error}")))
+            self._flush_outputs()
+            self.engine.shutdown()
+            sys.exit(1)
+        self.engine.shutdown()
+        self._flush_outputs()
+
+    def _busy_loop(self) -> None:
+        while True:
+            if not self._drain_inputs(block=not self.engine.has_work()):
+                return
+            if self.engine.has_work():
+                for client, outputs in self.engine.step().items():
+                    self.outputs.put((client, outputs))
+
+    def _drain_inputs(self, block: bool) -> bool:
+        """Handle every queued input; False once Shutdown arrived."""
+        try:
+            message = self.inputs.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            match message:
+                case EngineCoreRequest():
+                    self.engine.add_request(message)
+                case Abort(request_ids=ids):
+                    self.engine.abort(ids)
+                case UtilityCall(call_id=call_id, method=method, args=args, client_index=client):
+                    self.outputs.put((client, self._utility(call_id, method, args)))
+                case Shutdown():
+                    return False
+            try:
+                message = self.inputs.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _utility(self, call_id: int, method: str, args: list[Any]) -> UtilityResult:
+        try:
+            return UtilityResult(call_id, self.engine.utility(method, args))
+        except Exception as error:
+            return UtilityResult(call_id, error=f"{type(error).__name__}: {error}")
+
+    def _start_io_threads(self) -> None:
+        identity = self.info.dp_rank.to_bytes(2, "little")
+        dealers = [ipc.make_socket(self.ctx, zmq.DEALER, connect=a, identity=identity) for a in self.info.input_addresses]
+        pushes = [ipc.make_socket(self.ctx, zmq.PUSH, connect=a) for a in self.info.output_addresses]
+        for dealer in dealers:
+            dealer.send(b"")  # hello: a ROUTER can route only to peers it has heard from
+        threading.Thread(target=self._input_thread, args=(dealers,), name="engine-input", daemon=True).start()
+        self._pushes = pushes
+        threading.Thread(target=self._output_thread, name="engine-output", daemon=True).start()
+
+    def _input_thread(self, dealers: list[zmq.Socket]) -> None:
+        decoder = serial.Decoder(EngineInput, f"{self.name} input")
+        poller = zmq.Poller()
+        for dealer in dealers:
+            poller.register(dealer, zmq.POLLIN)
+        while True:
+            for sock, _ in poller.poll():
+                message = decoder.decode(sock.recv())
+                if message is not None:
+                    self.inputs.put(message)
+
+    def _output_thread(self) -> None:
+        while True:
+            client, message = self.outputs.get()
+            if message is None:
+                self.outputs.task_done()
+                return
+            data = serial.encode(message)
+            targets = self._pushes if client is None else [self._pushes[client]]
+            for push in targets:
+                push.send(data)
+            self.outputs.task_done()
+
+    def _flush_outputs(self) -> None:
+        self.outputs.put((None, None))
+        self.outputs.join()
+        for push in self._pushes:
+            push.setsockopt(zmq.LINGER, 2000)
+            push.close()
+
+
+def main() -> None:
+    name = sys.argv[sys.argv.index("--name") + 1]
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
+    ipc.die_with_parent()
+    info = ipc.read_startup_info(EngineCoreStartupInfo)
+    EngineCoreProcess(name, info).run()
+
+
+if __name__ == "__main__":
+    main()

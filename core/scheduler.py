@@ -1,0 +1,433 @@
+"""Scheduler: continuous batching under one token budget per step.
+
+Each request has `num_computed_tokens` that catches up with `num_tokens`; every
+step hands out `max_num_batched_tokens` tokens, running requests first, then
+waiting ones. A prompt, a prefill chunk, a decode and a recompute after
+preemption are all the same thing: tokens not yet computed. No phases.
+
+One step, as the engine core drives it:
+    plan = scheduler.schedule()                     # SchedulerOutput, the workers' contract
+    runner_output = executor.execute(plan)          # ModelRunnerOutput
+    outputs = scheduler.update_from_output(plan, runner_output)
+When only finished ids or abort outputs are pending (has_finished_requests), the
+plan schedules no token; the engine core may skip the executor and pass an empty
+ModelRunnerOutput with the plan's step_id.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from fleet.config.cache import CacheConfig
+from fleet.config.scheduler import SchedulerConfig
+from fleet.core.kv_cache_manager import KVCacheManager
+from fleet.core.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprobs,
+)
+from fleet.core.request import Request, RequestStatus
+
+
+class FCFSQueue:
+    """Waiting requests in arrival order; preempted ones go back to the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+def priority_key(request: Request) -> tuple[int, float]:
+    """Lower priority value first, then earlier arrival."""
+    return (request.priority, request.arrival_time)
+
+
+class PriorityQueue:
+    """Waiting requests by priority_key; a preempted request takes its place by the same key."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, (*priority_key(request), next(self._counter), request))
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._heap[0][-1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [entry for entry in self._heap if entry[-1] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[-1] for entry in sorted(self._heap))
+
+
+@dataclass
+class StepBudget:
+    """What one schedule() call has handed out so far."""
+
+    token_budget: int
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+        self.requests.append(request)
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.new_block_ids[request.request_id] = new_block_ids
+        self.token_budget -= num_tokens
+
+
+class PlanBuilder:
+    """Builds the step plan, sending each request in full once and then only its changes.
+
+    Remembers how many tokens of each request the workers hold; forgetting a
+    request queues its id in the next plan's finished_request_ids.
+    """
+
+    def __init__(self) -> None:
+        self._num_tokens_sent: dict[str, int] = {}
+        self._finished_ids: list[str] = []
+
+    @property
+    def has_finished(self) -> bool:
+        return bool(self._finished_ids)
+
+    def forget(self, request_id: str) -> None:
+        if self._num_tokens_sent.pop(request_id, None) is not None:
+            self._finished_ids.append(request_id)
+
+    def build(self, step_id: int, step: StepBudget) -> SchedulerOutput:
+        new_requests, cached_requests = [], []
+        for request in step.requests:
+            request_id = request.request_id
+            num_sent = self._num_tokens_sent.get(request_id)
+            if num_sent is None:
+                # Admitted this step: its new blocks are all its blocks.
+                new_requests.append(NewRequestData(
+                    request_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=step.new_block_ids[request_id],
+                    num_computed_tokens=request.num_computed_tokens,
+                    output_token_ids=list(request.output_token_ids),
+                ))
+            else:
+                cached_requests.append(CachedRequestData(
+                    request_id=request_id,
+                    new_token_ids=request.all_token_ids[num_sent:],
+                    new_block_ids=step.new_block_ids[request_id],
+                    num_computed_tokens=request.num_computed_tokens,
+                ))
+            self._num_tokens_sent[request_id] = request.num_tokens
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            step_id=step_id,
+            new_requests=new_requests,
+            cached_requests=cached_requests,
+            num_scheduled_tokens=_decodes_first(step),
+            finished_request_ids=finished_ids,
+        )
+
+
+def _decodes_first(step: StepBudget) -> dict[str, int]:
+    """Batch order: one-token decodes first (the attention kernel splits the batch there), then the rest."""
+
+    def is_decode(request: Request) -> bool:
+        num_tokens = step.num_scheduled_tokens[request.request_id]
+        return num_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+
+    ordered = sorted(step.requests, key=lambda request: not is_decode(request))
+    return {request.request_id: step.num_scheduled_tokens[request.request_id] for request in ordered}
+
+
+def _check_configs(
+    scheduler_config: SchedulerConfig, cache_config: CacheConfig, max_model_len: int, num_blocks: int
+) -> None:
+    fields = {
+        "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": scheduler_config.max_num_seqs,
+        "enable_chunked_prefill": scheduler_config.enable_chunked_prefill,
+        "enable_prefix_caching": cache_config.enable_prefix_caching,
+    }
+    unresolved = [name for name, value in fields.items() if value is None]
+    if unresolved:
+        raise ValueError(f"unresolved config fields {unresolved}: build configs with EngineArgs.create_config()")
+    if num_blocks * cache_config.block_size < max_model_len:
+        # A request growing to max_model_len would preempt itself and never run again.
+        raise ValueError(
+            f"the KV cache ({num_blocks=} x block_size={cache_config.block_size}) holds fewer tokens than "
+            f"{max_model_len=}; lower --max-model-len or give the KV cache more memory"
+        )
+
+
+class Scheduler:
+    """Decides which requests compute how many tokens each step, and applies the results.
+
+    Args:
+        scheduler_config / cache_config: resolved configs (EngineArgs.create_config).
+        max_model_len: context length; a request reaching it finishes ("length").
+        num_blocks: KV capacity in blocks, as the workers allocated it.
+        eos_token_id: the model's end-of-sequence token, None if it has none.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_blocks: int,
+        eos_token_id: int | None,
+    ):
+        _check_configs(scheduler_config, cache_config, max_model_len, num_blocks)
+        self.max_num_batched_tokens: int = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs: int = scheduler_config.max_num_seqs
+        self.enable_chunked_prefill: bool = scheduler_config.enable_chunked_prefill
+        self.policy = scheduler_config.scheduling_policy
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+
+        self.requests: dict[str, Request] = {}
+        """Unfinished requests by id."""
+        self.waiting: FCFSQueue | PriorityQueue = PriorityQueue() if self.policy == "priority" else FCFSQueue()
+        self.running: list[Request] = []
+        self._plan = PlanBuilder()
+        self._pending_outputs: list[EngineCoreOutput] = []
+        """Outputs of requests finished outside a step (aborts), sent with the next update."""
+        self.step_counter = 0
+        self.num_preemptions = 0
+        self._last_stats = (0, 0, 0)
+
+    # ---- requests in ----------------------------------------------------------------------
+
+    def add_request(self, core_request: EngineCoreRequest) -> Request:
+        """Queue a request. Raises ValueError for one that could never run."""
+        request_id = core_request.request_id
+        num_prompt_tokens = len(core_request.prompt_token_ids)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not 0 < num_prompt_tokens <= self.max_model_len:
+            raise ValueError(f"{request_id}: {num_prompt_tokens=} must be in [1, {self.max_model_len=}]")
+        if not self.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"{request_id}: {num_prompt_tokens=} exceeds {self.max_num_batched_tokens=} with chunked prefill off"
+            )
+        block_size = self.block_size if self.kv_cache_manager.enable_caching else None
+        request = Request(
+            core_request, eos_token_id=self.eos_token_id, max_model_len=self.max_model_len, block_size=block_size
+        )
+        self.requests[request_id] = request
+        self.waiting.add(request)
+        return request
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """End requests in any state now (unknown or finished ids are ignored); their
+        blocks are free at once and their "abort" outputs come with the next update."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.finish(RequestStatus.FINISHED_ABORTED)
+            self._release(request)
+            self._pending_outputs.append(self._output(request, []))
+
+    # ---- the step plan -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        step = StepBudget(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            # Admitting while evicting would only thrash the cache.
+            self._schedule_waiting(step)
+        self.step_counter += 1
+        return self._plan.build(self.step_counter, step)
+
+    def _schedule_running(self, step: StepBudget) -> None:
+        """Running requests in policy order; the last one is the first to be preempted."""
+        if self.policy == "priority":
+            self.running.sort(key=priority_key)
+        index = 0
+        while index < len(self.running) and step.token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+            assert num_new_tokens > 0, f"running {request} has nothing to compute"
+            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, step)
+            if new_block_ids is None:
+                break
+            step.add(request, num_new_tokens, new_block_ids)
+            index += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: StepBudget) -> list[int] | None:
+        """Preempt from the back of `running` until `request` fits; None if it was preempted itself.
+        Requests scheduled earlier this step sit before it, so they are never the victim."""
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running[-1]
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, step: StepBudget) -> None:
+        """Admit from the head of the waiting queue; the head blocks the rest (no starvation)."""
+        kv = self.kv_cache_manager
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if num_new_tokens > step.token_budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new_tokens = step.token_budget
+            new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
+            if new_block_ids is None:
+                break
+            self.waiting.pop()
+            request.start_running(num_computed_tokens)
+            self.running.append(request)
+            step.add(request, num_new_tokens, new_block_ids)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.preempt()
+        self.waiting.prepend(request)
+        self._plan.forget(request.request_id)
+        self.num_preemptions += 1
+
+    # ---- results in ----------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's results: computed tokens, sampled tokens, stops, freed blocks.
+
+        Returns one output per request that sampled or finished, and one per abort
+        since the last update.
+        """
+        assert runner_output.step_id == scheduler_output.step_id, (runner_output.step_id, scheduler_output.step_id)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sample_index = {request_id: index for index, request_id in enumerate(runner_output.request_ids)}
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.advance(num_tokens)
+            output = self._apply_sample(request, runner_output, sample_index.get(request_id))
+            self.kv_cache_manager.cache_full_blocks(request)
+            if request.is_finished:
+                self.running.remove(request)
+                self._release(request)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _apply_sample(
+        self, request: Request, runner_output: ModelRunnerOutput, index: int | None
+    ) -> EngineCoreOutput | None:
+        prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
+        if prompt_logprobs:
+            request.add_prompt_logprobs(prompt_logprobs)
+        if index is None:
+            return None  # a prefill chunk that ended mid-sequence
+        assert request.num_computed_tokens == request.num_tokens, f"{request} sampled before its last token"
+        new_token_ids = request.append_output_token_ids(runner_output.sampled_token_ids[index])
+        logprobs = runner_output.logprobs[index] if runner_output.logprobs is not None else None
+        return self._output(request, new_token_ids, None if logprobs is None else [logprobs])
+
+    def _output(
+        self, request: Request, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None = None
+    ) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=request.take_prompt_logprobs(),
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _release(self, request: Request) -> None:
+        """A finished request leaves: blocks back to the pool, workers told to drop it."""
+        self.kv_cache_manager.free(request)
+        self._plan.forget(request.request_id)
+        del self.requests[request.request_id]
+
+    # ---- state -----------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Finished ids or abort outputs not yet delivered: worth one more (empty) step."""
+        return self._plan.has_finished or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def make_stats(self) -> SchedulerStats:
+        """Current occupancy, plus prefix-cache and preemption counts since the last call."""
+        kv = self.kv_cache_manager
+        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions)
+        queries, hits, preemptions = (now - before for now, before in zip(totals, self._last_stats, strict=True))
+        self._last_stats = totals
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=preemptions,
+            step_counter=self.step_counter,
+        )
