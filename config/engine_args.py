@@ -3,12 +3,14 @@ resolution into one immutable FleetConfig."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 from fleet.config import env
 from fleet.config.cache import CacheConfig
 from fleet.config.compilation import CompilationConfig
 from fleet.config.device import DeviceConfig
+from fleet.config.fields import HumanReadable, parse_human_int
 from fleet.config.fleet import FleetConfig
 from fleet.config.frontend import FrontendConfig
 from fleet.config.load import LoadConfig
@@ -57,6 +59,13 @@ def _engine_args_fields() -> list[tuple[str, Any, dataclasses.Field]]:
 
 
 class _EngineArgsBase:
+    def __post_init__(self) -> None:
+        # Python callers may write numbers as on the CLI: LLM(kv_cache_memory_bytes="2G").
+        for name in HUMAN_INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, parse_human_int(value))
+
     def create_config(self) -> FleetConfig:
         """Resolve every default that depends on the model, the hardware and the
         parallel layout. Raises ValueError naming the flags of any inconsistency."""
@@ -89,6 +98,14 @@ class _EngineArgsBase:
     def _group(self, name: str) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in user_fields(FLAT_GROUPS[name])}
 
+
+HUMAN_INT_FIELDS = [
+    f.name
+    for cls in FLAT_GROUPS.values()
+    for f in user_fields(cls)
+    if HumanReadable in getattr(typing.get_type_hints(cls, include_extras=True)[f.name], "__metadata__", ())
+    or any(HumanReadable in getattr(a, "__metadata__", ()) for a in typing.get_args(typing.get_type_hints(cls, include_extras=True)[f.name]))
+]
 
 EngineArgs = dataclasses.make_dataclass("EngineArgs", _engine_args_fields(), bases=(_EngineArgsBase,))
 EngineArgs.__module__ = __name__

@@ -1,0 +1,176 @@
+"""EngineClient: the front end's side of the engine sockets.
+
+It binds one ROUTER (requests out) and one PULL (outputs in), starts the
+engine-core processes of this node, waits for their handshake, and hands
+every output to a callback on its output thread. Used by `fleet.LLM` and
+by each API server.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from fleet.config.fleet import FleetConfig
+from fleet.core import ipc, serial
+from fleet.core.messages import (
+    Abort,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineOutput,
+    KVCapacity,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
+from fleet.parallel.dims import node_engine_ranks
+
+logger = logging.getLogger(__name__)
+
+OutputHandler = Callable[[EngineCoreOutputs], None]
+DeathHandler = Callable[[str], None]
+
+
+class EngineDeadError(RuntimeError):
+    """An engine core (or a worker under it) died; the message names it."""
+
+
+class EngineClient:
+    def __init__(self, config: FleetConfig, on_outputs: OutputHandler, on_death: DeathHandler, client_index: int = 0):
+        self.config = config
+        self.client_index = client_index
+        self.on_outputs = on_outputs
+        self.on_death = on_death
+        self.ctx = zmq.Context()
+        self.requests = ipc.make_socket(self.ctx, zmq.ROUTER, bind=ipc.new_ipc_address("requests"))
+        self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.outputs = ipc.make_socket(self.ctx, zmq.PULL, bind=ipc.new_ipc_address("outputs"))
+        self.engines: list[ipc.ChildProcess] = []
+        self.engine_identities: list[bytes] = []
+        self.kv_capacity: KVCapacity | None = None
+        self.dead_reason: str | None = None
+        self._send_lock = threading.Lock()
+        self._utility_futures: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._closed = threading.Event()
+        self._stopping = threading.Event()
+        self._output_thread: threading.Thread | None = None
+
+    # ---- start-up ------------------------------------------------------------------------
+
+    def start_engines(self) -> None:
+        """Spawn this node's engine cores and wait for Ready from each (one deadline)."""
+        from fleet.core.engine_core import EngineCoreStartupInfo
+
+        handshake = ipc.HandshakeListener(self.ctx)
+        try:
+            for dp_rank in node_engine_ranks(self.config.parallel):
+                info = EngineCoreStartupInfo(
+                    config=self.config,
+                    dp_rank=dp_rank,
+                    handshake_address=handshake.address,
+                    input_addresses=[self.requests.getsockopt_string(zmq.LAST_ENDPOINT)],
+                    output_addresses=[self.outputs.getsockopt_string(zmq.LAST_ENDPOINT)],
+                )
+                self.engines.append(ipc.spawn("fleet.core.engine_core", f"fleet-engine-dp{dp_rank}", info))
+            ready = handshake.wait_all(self.engines, self.config.parallel.distributed_timeout_seconds)
+        except Exception:
+            handshake.close()
+            self.shutdown()
+            raise
+        handshake.close()
+        self.kv_capacity = min((r.kv_capacity for r in ready.values() if r.kv_capacity), key=lambda c: c.num_blocks)
+        self._await_engine_hellos(len(self.engines))
+        self._output_thread = threading.Thread(target=self._output_loop, name="engine-client-output", daemon=True)
+        self._output_thread.start()
+
+    def _await_engine_hellos(self, count: int) -> None:
+        while len(self.engine_identities) < count:
+            if not self.requests.poll(self.config.parallel.distributed_timeout_seconds * 1000):
+                raise EngineDeadError("engine cores did not say hello on the request socket")
+            identity, _ = self.requests.recv_multipart()
+            self.engine_identities.append(identity)
+        self.engine_identities.sort()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest, engine_index: int = 0) -> None:
+        self._send(engine_index, request)
+
+    def abort(self, request_ids: list[str], engine_index: int = 0) -> None:
+        if request_ids and self.dead_reason is None:
+            self._send(engine_index, Abort(request_ids))
+
+    def call_utility(self, method: str, *args: Any, engine_index: int = 0, timeout: float = 30.0) -> Any:
+        call_id = next(self._call_ids)
+        future: Future = Future()
+        self._utility_futures[call_id] = future
+        self._send(engine_index, UtilityCall(call_id, method, list(args), self.client_index))
+        result: UtilityResult = future.result(timeout)
+        if result.error:
+            raise RuntimeError(result.error)
+        return result.result
+
+    def _send(self, engine_index: int, message: Any) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        data = serial.encode(message)
+        with self._send_lock:
+            self.requests.send_multipart([self.engine_identities[engine_index], data], copy=False)
+
+    # ---- outputs ---------------------------------------------------------------------------
+
+    def _output_loop(self) -> None:
+        decoder = serial.Decoder(EngineOutput, "engine outputs")
+        while not self._closed.is_set():
+            if not self.outputs.poll(100):
+                self._check_engines_alive()
+                continue
+            message = decoder.decode(self.outputs.recv())
+            match message:
+                case EngineCoreOutputs():
+                    self.on_outputs(message)
+                case UtilityResult(call_id=call_id):
+                    future = self._utility_futures.pop(call_id, None)
+                    if future is not None:
+                        future.set_result(message)
+                case EngineDead(reason=reason):
+                    self._declare_dead(reason)
+
+    def _check_engines_alive(self) -> None:
+        dead = [engine for engine in self.engines if not engine.alive()]
+        if dead and self.dead_reason is None:
+            self._declare_dead("; ".join(engine.describe_exit() for engine in dead))
+
+    def _declare_dead(self, reason: str) -> None:
+        if self.dead_reason is not None or self._stopping.is_set():
+            return
+        self.dead_reason = f"engine died: {reason}"
+        logger.error(self.dead_reason)
+        for future in self._utility_futures.values():
+            future.set_exception(EngineDeadError(self.dead_reason))
+        self.on_death(self.dead_reason)
+
+    # ---- shutdown --------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        for identity in self.engine_identities:
+            try:
+                self.requests.send_multipart([identity, serial.encode(Shutdown("client shutting down"))], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        for engine in self.engines:
+            engine.stop(timeout)
+        self._closed.set()
+        if self._output_thread is not None:
+            self._output_thread.join()
+        self.ctx.destroy(linger=0)

@@ -1,0 +1,153 @@
+"""fleet.LLM: offline batched generation, with the engine core in its own process."""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from fleet.config.engine_args import EngineArgs
+from fleet.config.model import DEFAULT_MODEL
+from fleet.core.messages import EngineCoreOutputs
+from fleet.core.sampling_params import SamplingParams
+from fleet.frontend.engine_client import EngineClient, EngineDeadError
+from fleet.frontend.output_processor import RequestOutput, RequestState, child_requests
+from fleet.frontend.tokenizer import load_tokenizer
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """`LLM(model, **engine_args)`: any EngineArgs field as a keyword."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any):
+        self.config = EngineArgs(model=model, **engine_args).create_config()
+        self.tokenizer = load_tokenizer(self.config.model)
+        self._requests: dict[str, tuple[RequestState, int]] = {}  # engine request id -> (state, sequence index)
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.client = EngineClient(self.config, self._on_outputs, self._on_death)
+        self.client.start_engines()
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) else list(prompts)
+        params_list = _broadcast_params(sampling_params, len(prompt_list))
+        states = [self._submit(prompt, params) for prompt, params in zip(prompt_list, params_list)]
+        self._wait(states, use_tqdm)
+        return [state.output for state in states]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self._require_tokenizer().apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            ids = [rid for rid, (state, _) in self._requests.items() if state.output.request_id == request_id]
+        self.client.abort(ids)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self.client.call_utility(method, *args)
+
+    def shutdown(self) -> None:
+        self.client.shutdown(self.config.frontend.shutdown_timeout)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.shutdown(2.0)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _submit(self, prompt: PromptType, params: SamplingParams) -> RequestState:
+        params.validate(self.config.model.max_logprobs)
+        text, token_ids = self._tokenize(prompt)
+        request_id = str(next(self._ids))
+        state = RequestState(request_id, text, token_ids, params, self.tokenizer)
+        children = child_requests(request_id, token_ids, params, time.time(), client_index=0)
+        with self._lock:
+            for index, child in enumerate(children):
+                self._requests[child.request_id] = (state, index)
+        for child in children:
+            self.client.add_request(child)
+        return state
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self._require_tokenizer().encode(prompt)
+        return None, list(prompt)
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model.model} has no tokenizer: pass prompts as token ids")
+        return self.tokenizer
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        to_abort = []
+        with self._lock:
+            for output in outputs.outputs:
+                entry = self._requests.get(output.request_id)
+                if entry is None:
+                    continue
+                state, index = entry
+                if state.apply(index, output):
+                    to_abort.append(output.request_id)
+                if state.output.outputs[index].finished:
+                    del self._requests[output.request_id]
+                    if state.output.finished:
+                        state.done.set()
+        self.client.abort(to_abort)
+
+    def _on_death(self, reason: str) -> None:
+        with self._lock:
+            for state, _ in self._requests.values():
+                state.fail(reason)
+                state.done.set()
+            self._requests.clear()
+
+    def _wait(self, states: list[RequestState], use_tqdm: bool) -> None:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(states), desc="generate", disable=not use_tqdm)
+        try:
+            for state in states:
+                state.done.wait()
+                progress.update(1)
+        finally:
+            progress.close()
+        if self.client.dead_reason is not None:
+            raise EngineDeadError(self.client.dead_reason)
+
+
+def _is_token_ids(prompts: Any) -> bool:
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+
+
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return list(params)

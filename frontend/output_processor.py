@@ -1,0 +1,119 @@
+"""Turn engine outputs into per-request results: detokenised text, logprobs,
+finish reasons, and the n sequences of one request put back together.
+
+A request with n > 1 runs in the engine as n child requests (seed + index
+each), so the engine only ever samples one sequence per request.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from fleet.core.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from fleet.core.sampling_params import SamplingParams
+from fleet.frontend.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+SequenceLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SequenceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: SequenceLogprobs | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(output.finished for output in self.outputs)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+def child_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float, client_index: int, priority: int = 0) -> list[EngineCoreRequest]:
+    """The n engine requests of one user request: n = 1 each, distinct seeds."""
+    children = []
+    for index in range(params.n):
+        seed = None if params.seed is None else params.seed + index
+        child_params = SamplingParams(**{**_fields(params), "n": 1, "seed": seed})
+        children.append(
+            EngineCoreRequest(child_request_id(request_id, index, params.n), prompt_token_ids, child_params, arrival_time, client_index, priority)
+        )
+    return children
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__struct_fields__}
+
+
+class RequestState:
+    """One user request while it runs: its sequences and their detokenizers."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer):
+        self.output = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(i) for i in range(params.n)])
+        self.params = params
+        self.tokenizer = tokenizer
+        self.detokenizers = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params) for _ in range(params.n)]
+        self.done = threading.Event()
+
+    def apply(self, index: int, engine_output: EngineCoreOutput) -> bool:
+        """Fold one engine output into sequence `index`; True if a stop string
+        ended it (the engine must then be told to abort it)."""
+        sequence = self.output.outputs[index]
+        detokenizer = self.detokenizers[index]
+        sequence.token_ids.extend(engine_output.new_token_ids)
+        stop_string = detokenizer.append(engine_output.new_token_ids)
+        sequence.text = detokenizer.text
+        if engine_output.new_logprobs is not None and self.params.logprobs is not None:
+            sequence.logprobs = (sequence.logprobs or []) + [self._as_dict(lp) for lp in engine_output.new_logprobs]
+        if engine_output.prompt_logprobs is not None and index == 0:
+            # Arrive chunk by chunk; position 0 has no logprob (nothing predicts it).
+            self.output.prompt_logprobs = (self.output.prompt_logprobs or [None]) + [
+                self._as_dict(lp) for lp in engine_output.prompt_logprobs
+            ]
+        if engine_output.num_cached_tokens:
+            self.output.num_cached_tokens = engine_output.num_cached_tokens
+        if stop_string is not None and sequence.finish_reason is None:
+            sequence.finish_reason, sequence.stop_reason = "stop", stop_string
+            return True
+        if engine_output.finish_reason is not None and sequence.finish_reason is None:
+            sequence.finish_reason, sequence.stop_reason = engine_output.finish_reason, engine_output.stop_reason
+        return False
+
+    def fail(self, reason: str) -> None:
+        for sequence in self.output.outputs:
+            if sequence.finish_reason is None:
+                sequence.finish_reason, sequence.stop_reason = "error", reason
+
+    def _as_dict(self, logprobs: TokenLogprobs) -> dict[int, Logprob]:
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        return {
+            token_id: Logprob(value, rank, decode(token_id))
+            for token_id, value, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks)
+        }

@@ -1,0 +1,11 @@
+"""Activations: torch-native versions (CPU, and the oracle for Triton kernels)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a merged gate/up projection: x [..., 2*I] -> silu(gate) * up [..., I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

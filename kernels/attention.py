@@ -1,0 +1,208 @@
+"""Attention over a paged KV cache: torch-native version (CPU, and the oracle
+for the Triton kernel). Works on any device: nothing here names one.
+
+KV cache of one layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+(index 0 = keys, 1 = values). Token `pos` of a sequence lives in slot
+`block_table[pos // block_size] * block_size + pos % block_size`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the tokens of one forward pass live in the paged KV cache.
+
+    Built by the model runner once per step, shared by every layer.
+
+    Batch order contract: the first `num_decode_seqs` sequences are decodes
+    (query length 1, context in the cache); every later sequence is a prefill
+    or a chunk of one (query length >= 1, possibly with cached context from an
+    earlier chunk or a prefix-cache hit). Tokens are flattened in batch order:
+
+        tokens:  | d0 | d1 | p0 p0 p0 p0 | p1 p1 |
+        seq:       0    1    2             3        (num_decode_seqs = 2)
+
+    Tensor fields live on the model's device; the `*_list`/int fields are the
+    same facts on the host, so that no kernel has to read a device tensor back.
+    """
+
+    slot_mapping: torch.Tensor
+    """int64 [num_tokens]: cache slot (block_id * block_size + offset) of each new token."""
+    query_start_loc: torch.Tensor
+    """int32 [num_seqs + 1]: where each sequence's tokens start in the flattened batch."""
+    seq_lens: torch.Tensor
+    """int32 [num_seqs]: tokens of each sequence after this step, context included."""
+    block_tables: torch.Tensor
+    """int32 [num_seqs, max_blocks_per_seq]: block ids of each sequence, padded with 0."""
+    query_lens: list[int]
+    """Host copy: new tokens of each sequence this step."""
+    seq_lens_list: list[int]
+    """Host copy of seq_lens."""
+    num_decode_seqs: int
+    """How many leading sequences are decodes (query length 1)."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_seqs
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata from host lists; the decode prefix is counted from `query_lens`.
+
+        Slot mapping is computed with tensor ops (no per-token Python loop).
+        """
+        assert len(query_lens) == len(seq_lens) == len(block_tables), (len(query_lens), len(seq_lens))
+        num_decode_seqs = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+        width = max((len(table) for table in block_tables), default=0) or 1
+        padded = [table + [0] * (width - len(table)) for table in block_tables]
+        tables = torch.tensor(padded, dtype=torch.int32).view(len(block_tables), width)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=starts[1:])
+        positions = token_positions(q_lens, s_lens)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+        blocks = tables[seq_of_token, positions // block_size].to(torch.int64)
+        slots = blocks * block_size + positions % block_size
+        return cls(
+            slot_mapping=slots.to(device),
+            query_start_loc=starts.to(torch.int32).to(device),
+            seq_lens=s_lens.to(torch.int32).to(device),
+            block_tables=tables.to(device),
+            query_lens=list(query_lens),
+            seq_lens_list=list(seq_lens),
+            num_decode_seqs=num_decode_seqs,
+        )
+
+
+def token_positions(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Position in its sequence of every new token: int64 [num_tokens].
+
+    The new tokens of a sequence are its last `query_len` ones.
+    """
+    context_lens = seq_lens - query_lens  # [num_seqs]
+    starts = torch.cumsum(query_lens, 0) - query_lens  # [num_seqs]
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=query_lens.device), query_lens)
+    offset_in_query = torch.arange(int(query_lens.sum()), device=query_lens.device) - starts[seq_of_token]
+    return context_lens[seq_of_token] + offset_in_query
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' keys/values ([T, KVH, D]) at their slots."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every new token over its sequence's cached context
+    and the new tokens up to itself.
+
+    Args:
+        query: [T, H, D]; key, value: [T, KVH, D] (H a multiple of KVH: GQA).
+        kv_cache: this layer's cache, [2, num_blocks, block_size, KVH, D];
+            the new keys/values are written into it first.
+        meta: the batch layout (decodes first, see AttentionMetadata).
+        scale: softmax scale, usually head_dim ** -0.5.
+    Returns:
+        [T, H, D] in query's dtype.
+    """
+    write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+    output = torch.empty_like(query)
+    num_decodes = meta.num_decode_seqs
+    if num_decodes:
+        output[:num_decodes] = _decode_attention(query[:num_decodes], kv_cache, meta, scale)
+    start = num_decodes  # decodes own exactly one token each
+    for seq in range(num_decodes, meta.num_seqs):
+        end = start + meta.query_lens[seq]
+        output[start:end] = _prefill_attention(
+            query[start:end], key[start:end], value[start:end], kv_cache, meta, seq, scale
+        )
+        start = end
+    return output
+
+
+def _decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One query token per sequence, all sequences in one batched SDPA call."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    max_len = max(meta.seq_lens_list[:num_seqs])
+    num_blocks = -(-max_len // block_size)
+    tables = meta.block_tables[:num_seqs, :num_blocks]  # [B, nb]
+    # Gathered context, padded to nb * block_size: [B, KVH, L, D]
+    keys = _gather_blocks(kv_cache[0], tables).flatten(1, 2).transpose(1, 2)
+    values = _gather_blocks(kv_cache[1], tables).flatten(1, 2).transpose(1, 2)
+    # The query heads sharing one KV head play the role of SDPA's query
+    # sequence, so GQA needs no copy of K/V: q [B, KVH, group, D].
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+    length = keys.shape[2]
+    valid = torch.arange(length, device=query.device) < meta.seq_lens[:num_seqs, None]  # [B, L]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seq: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for one sequence's chunk of query_len tokens: [Q, H, D]."""
+    query_len, seq_len = meta.query_lens[seq], meta.seq_lens_list[seq]
+    context_len = seq_len - query_len
+    q = query.transpose(0, 1)  # [H, Q, D]
+    if context_len == 0:
+        # Everything attended to is new: no need to read the cache back.
+        k, v = key.transpose(0, 1), value.transpose(0, 1)  # [KVH, Q, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+    block_size = kv_cache.shape[2]
+    tables = meta.block_tables[seq, : -(-seq_len // block_size)]  # [nb]
+    k = _gather_blocks(kv_cache[0], tables).flatten(0, 1)[:seq_len].transpose(0, 1)  # [KVH, S, D]
+    v = _gather_blocks(kv_cache[1], tables).flatten(0, 1)[:seq_len].transpose(0, 1)
+    # Query i sits at position context_len + i and sees keys 0..context_len + i.
+    query_pos = torch.arange(context_len, seq_len, device=query.device)
+    key_pos = torch.arange(seq_len, device=query.device)
+    causal = key_pos[None, :] <= query_pos[:, None]  # [Q, S]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, KVH, D], tables [...] -> [..., block_size, KVH, D].
+
+    index_select on the flattened ids: several times faster on CPU than
+    advanced indexing with a 2-D index.
+    """
+    blocks = cache.index_select(0, tables.flatten())
+    return blocks.view(*tables.shape, *cache.shape[1:])

@@ -1,0 +1,61 @@
+"""The collectives layers call, without knowing the backend.
+
+A GroupCoordinator wraps one torch.distributed process group (gloo on CPU,
+nccl on CUDA); with a single rank every collective returns its input and
+torch.distributed is never touched. Process groups are created elsewhere
+(parallel/groups.py); this module only holds the current tensor-parallel one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class GroupCoordinator:
+    """This process's view of one parallel group: its rank, the size, the collectives."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
+        if size > 1 and group is None:
+            raise ValueError(f"a group of {size=} needs a torch.distributed process group")
+        if not 0 <= rank < size:
+            raise ValueError(f"{rank=} is outside a group of {size=}")
+        self.rank = rank
+        self.size = size
+        self.group = group
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place; returns the summed tensor."""
+        if self.size == 1:
+            return tensor
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's tensor, concatenated along `dim` in rank order."""
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+        """Concatenation along `dim` on group rank `dst`; None on the other ranks."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == dst else None
+        dist.gather(tensor, parts, dst=dist.get_global_rank(self.group, dst), group=self.group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+
+_tp_group = GroupCoordinator()
+
+
+def get_tp_group() -> GroupCoordinator:
+    """The tensor-parallel group of this worker (single-rank until set)."""
+    return _tp_group
+
+
+def set_tp_group(group: GroupCoordinator) -> None:
+    global _tp_group
+    _tp_group = group

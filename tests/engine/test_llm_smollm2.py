@@ -1,0 +1,56 @@
+"""The real default model (SmolLM2-135M-Instruct GGUF) against transformers
+loading the same file, and text-level features that need its tokenizer."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import fleet
+from fleet import SamplingParams
+from fleet.config.model_files import default_model_path
+from tests.engine.conftest import assert_all_blocks_free, assert_no_fleet_processes
+from tests.engine.oracle import greedy, hf_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    llm = fleet.LLM(dtype="float32", device="cpu", kv_cache_memory_bytes="256M", max_model_len=2048)
+    yield llm
+    llm.shutdown()
+    assert_no_fleet_processes()
+
+
+def test_first_32_greedy_tokens_match_transformers(smollm2):
+    path = default_model_path()
+    model = hf_model(os.path.dirname(path), os.path.basename(path))
+    outputs = smollm2.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32), use_tqdm=False)
+    for output in outputs:
+        assert output.outputs[0].token_ids == greedy(model, output.prompt_token_ids, 32), output.prompt
+        assert output.outputs[0].text == smollm2.tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True)
+    assert_all_blocks_free(smollm2)
+
+
+def test_stop_string_is_left_out(smollm2):
+    free = smollm2.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    words = free.text.split()
+    stop = " " + words[len(words) // 2]
+    stopped = smollm2.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert_all_blocks_free(smollm2)
+
+
+def test_chat_answers(smollm2):
+    output = smollm2.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    assert output.outputs[0].text.strip()
+    assert output.outputs[0].finish_reason in ("stop", "length")

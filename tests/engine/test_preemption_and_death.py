@@ -1,0 +1,56 @@
+"""A KV cache too small for the batch, and a worker killed mid-generate."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+import fleet
+from fleet import SamplingParams
+from fleet.frontend.engine_client import EngineDeadError
+from tests.engine.conftest import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
+from tests.engine.oracle import greedy, hf_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_preemption_keeps_outputs_equal_to_oracle(tiny_llama_dir):
+    model = hf_model(str(tiny_llama_dir))
+    # 4 layers x 2 (k, v) x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 16 KiB a block: 20 blocks
+    # hold 320 tokens, far less than 8 prompts of ~60 tokens plus 40 outputs each.
+    with fleet.LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256, kv_cache_memory_bytes=20 * 16 * 1024) as llm:
+        prompts = random_prompts(8, model.config.vocab_size, seed=10, min_len=40, max_len=70)
+        params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, output in zip(prompts, outputs):
+            assert output.outputs[0].token_ids == greedy(model, prompt, 40)
+        assert_all_blocks_free(llm)
+    assert_no_fleet_processes()
+
+
+def test_worker_sigkill_fails_generate_and_leaves_nothing(tiny_llama_dir):
+    llm = fleet.LLM(str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes="4M")
+    workers = [p for p in psutil.Process().children(recursive=True) if "fleet-worker" in " ".join(p.cmdline())]
+    assert len(workers) == 1
+    errors = {}
+
+    def run() -> None:
+        try:
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1800, ignore_eos=True), use_tqdm=False)
+        except EngineDeadError as error:
+            errors["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    os.kill(workers[0].pid, signal.SIGKILL)
+    thread.join(timeout=10)
+    assert time.monotonic() - killed_at < 5.0
+    assert "fleet-worker-dp0-pp0-tp0" in str(errors["error"])
+    llm.shutdown()
+    assert_no_fleet_processes()

@@ -1,0 +1,178 @@
+"""Executors: how the engine core reaches its workers.
+
+`uni` holds the one worker in the engine-core process (for debugging);
+`mp` starts one process per worker, broadcasts each step plan to all of
+them on one XPUB socket (one send, whatever the number of workers) and
+reads results from the driver (rank 0) only. This module imports no torch:
+the engine-core process stays light with `mp`.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from fleet.config.fleet import FleetConfig
+from fleet.core import ipc, serial
+from fleet.core.messages import (
+    KVCapacity,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerDead,
+    WorkerOutput,
+    WorkerUtilityCall,
+    WorkerUtilityResult,
+)
+from fleet.parallel.dims import coord_of
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_POLL_MS = 100
+"""How often a waiting executor checks that its workers live: death is seen within this."""
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class Executor:
+    def start(self) -> KVCapacity:
+        """Start the workers, size and allocate the KV cache; return its capacity."""
+        raise NotImplementedError
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class UniExecutor(Executor):
+    def __init__(self, config: FleetConfig, dp_rank: int):
+        self.config = config
+
+    def start(self) -> KVCapacity:
+        from fleet.workers.worker import Worker
+
+        self.worker = Worker(self.config)
+        num_blocks = self.worker.available_kv_blocks()
+        self.worker.init_kv_cache(num_blocks)
+        return KVCapacity(num_blocks, self.config.cache.block_size)
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute(plan)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: FleetConfig, dp_rank: int):
+        self.config = config
+        self.dp_rank = dp_rank
+        self.ctx = zmq.Context()
+        self.plans = ipc.make_socket(self.ctx, zmq.XPUB, bind=ipc.new_ipc_address("plans"))
+        self.plans.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.results = ipc.make_socket(self.ctx, zmq.PULL, bind=ipc.new_ipc_address("results"))
+        self.decoder = serial.Decoder(WorkerOutput, "worker results")
+        self.workers: list[ipc.ChildProcess] = []
+        self.call_ids = itertools.count()
+
+    def start(self) -> KVCapacity:
+        handshake = ipc.HandshakeListener(self.ctx)
+        try:
+            self._spawn_workers(handshake.address)
+            ready = handshake.wait_all(self.workers, self.config.parallel.distributed_timeout_seconds)
+        finally:
+            handshake.close()
+        self._wait_for_subscribers(len(self.workers))
+        # Every worker must fit the same number of blocks: the smallest wins.
+        num_blocks = min(r.kv_capacity.num_blocks for r in ready.values() if r.kv_capacity)
+        self.call("init_kv_cache", [num_blocks])
+        return KVCapacity(num_blocks, self.config.cache.block_size)
+
+    def _spawn_workers(self, handshake_address: str) -> None:
+        from fleet.workers.worker import WorkerStartupInfo
+
+        parallel = self.config.parallel
+        first = self.dp_rank * parallel.replica_size
+        for local_rank, rank in enumerate(range(first, first + parallel.replica_size)):
+            coord = coord_of(parallel, rank)
+            info = WorkerStartupInfo(
+                config=self.config,
+                rank=rank - first,
+                local_rank=local_rank,
+                num_local_workers=parallel.replica_size,
+                handshake_address=handshake_address,
+                plan_address=self.plans.getsockopt_string(zmq.LAST_ENDPOINT),
+                result_address=self.results.getsockopt_string(zmq.LAST_ENDPOINT),
+            )
+            name = f"fleet-worker-dp{coord.dp}-pp{coord.pp}-tp{coord.tp}"
+            self.workers.append(ipc.spawn("fleet.workers.worker", name, info))
+
+    def _wait_for_subscribers(self, count: int) -> None:
+        """XPUB hears each subscription: once all workers subscribed, no plan is lost."""
+        deadline = time.monotonic() + self.config.parallel.distributed_timeout_seconds
+        seen = 0
+        while seen < count:
+            if self.plans.poll(LIVENESS_POLL_MS):
+                if self.plans.recv()[:1] == b"\x01":
+                    seen += 1
+            else:
+                self._check_alive()
+            if time.monotonic() > deadline:
+                raise WorkerDied(f"only {seen} of {count} workers subscribed to the step plan")
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self.plans.send(serial.encode(plan))
+        result = self._receive()
+        assert isinstance(result, ModelRunnerOutput), result
+        return result
+
+    def call(self, method: str, args: list[Any]) -> Any:
+        call_id = next(self.call_ids)
+        self.plans.send(serial.encode(WorkerUtilityCall(call_id, method, args)))
+        result = self._receive()
+        assert isinstance(result, WorkerUtilityResult) and result.call_id == call_id, result
+        if result.error:
+            raise RuntimeError(f"worker utility {method} failed: {result.error}")
+        return result.result
+
+    def _receive(self) -> ModelRunnerOutput | WorkerUtilityResult:
+        while True:
+            if self.results.poll(LIVENESS_POLL_MS):
+                message = self.decoder.decode(self.results.recv())
+                if isinstance(message, WorkerDead):
+                    raise WorkerDied(message.reason)
+                if message is not None:
+                    return message
+            else:
+                self._check_alive()
+
+    def _check_alive(self) -> None:
+        dead = [w for w in self.workers if not w.alive()]
+        if dead:
+            raise WorkerDied("; ".join(w.describe_exit() for w in dead))
+
+    def shutdown(self) -> None:
+        try:
+            self.plans.send(serial.encode(Shutdown("engine shutting down")), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        for worker in self.workers:
+            worker.stop(timeout=5.0)
+        self.ctx.destroy(linger=0)
+
+
+EXECUTORS = {"uni": UniExecutor, "mp": MultiprocExecutor}
+
+
+def make_executor(config: FleetConfig, dp_rank: int) -> Executor:
+    backend = config.parallel.distributed_executor_backend
+    if backend not in EXECUTORS:
+        raise ValueError(f"--distributed-executor-backend {backend} is not available yet; choose from {sorted(EXECUTORS)}")
+    return EXECUTORS[backend](config, dp_rank)

@@ -1,0 +1,101 @@
+"""One step on one worker: step plan -> batch tensors -> forward -> sample."""
+from __future__ import annotations
+
+import torch
+
+from fleet.config.fleet import FleetConfig
+from fleet.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from fleet.kernels.attention import AttentionMetadata
+from fleet.workers.input_batch import RequestStates, StepBatch
+from fleet.workers.sampler import SamplingRow, sample, top_logprobs
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, config: FleetConfig, model: torch.nn.Module, device: torch.device):
+        self.config = config
+        self.model = model
+        self.device = device
+        self.dtype = TORCH_DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+        self.states = RequestStates(device, self.block_size)
+        self.kv_caches: list[torch.Tensor] = []
+        hf = config.model.hf_config
+        self.eos_token_ids = _eos_token_ids(hf)
+
+    # ---- KV cache -------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        per_layer = 2 * self.block_size * self.model.num_kv_heads * self.model.head_dim
+        return per_layer * self.model.num_layers * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
+
+    # ---- one step ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self.states.apply(plan)
+        if not plan.num_scheduled_tokens:
+            return ModelRunnerOutput(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
+        batch = self.states.build_batch(plan)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self._attention_metadata(batch))
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        sampling = [i for i, state in enumerate(batch.requests) if batch.seq_lens_list[i] >= state.num_tokens]
+        if not sampling:
+            return ModelRunnerOutput(plan.step_id, [], [], None, prompt_logprobs)
+        last_token_index = batch.query_start_loc[1:][sampling].long() - 1
+        logits = self.model.compute_logits(hidden[last_token_index])
+        rows = [self._sampling_row(batch.requests[i]) for i in sampling]
+        sampled, logprobs = sample(logits, rows)
+        return ModelRunnerOutput(
+            step_id=plan.step_id,
+            request_ids=[batch.requests[i].request_id for i in sampling],
+            sampled_token_ids=sampled,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _attention_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=batch.slot_mapping,
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            block_tables=batch.block_tables,
+            query_lens=batch.query_lens,
+            seq_lens_list=batch.seq_lens_list,
+            num_decode_seqs=batch.num_decode_seqs,
+        )
+
+    def _sampling_row(self, state) -> SamplingRow:
+        params = state.params
+        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+        return SamplingRow(params, state.prompt_token_ids, state.output_token_ids, state.generator, stop_ids)
+
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """For each request asking for them: logprobs of prompt tokens 1.. that
+        this step's chunk predicts (hidden at position j predicts token j+1)."""
+        result: dict[str, list[TokenLogprobs]] = {}
+        offset = 0
+        for state, n, seq_len in zip(batch.requests, batch.query_lens, batch.seq_lens_list):
+            start = seq_len - n
+            last_predicting = min(seq_len, state.num_prompt_tokens - 1)
+            if state.params.prompt_logprobs is not None and start < last_predicting:
+                positions = slice(offset, offset + last_predicting - start)
+                logprobs = torch.log_softmax(self.model.compute_logits(hidden[positions]), dim=-1)
+                targets = state.prompt_token_ids[start + 1 : last_predicting + 1]
+                result[state.request_id] = [
+                    top_logprobs(row, target, state.params.prompt_logprobs) for row, target in zip(logprobs, targets)
+                ]
+            offset += n
+        return result
+
+
+def _eos_token_ids(hf_config: dict) -> list[int]:
+    eos = hf_config.get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]

@@ -1,0 +1,163 @@
+"""One worker: device, model shard, KV cache and model runner.
+
+`Worker` is the in-process object (the `uni` executor holds one directly);
+`python -m fleet.workers.worker` is the worker process that the `mp`
+executor starts: it receives the step plan on a broadcast socket and, if it
+is the driver, returns the runner output.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+import msgspec
+import psutil
+import torch
+import zmq
+
+from fleet.config.fleet import FleetConfig
+from fleet.core import ipc, serial
+from fleet.core.messages import (
+    KVCapacity,
+    ModelRunnerOutput,
+    Ready,
+    SchedulerOutput,
+    Shutdown,
+    StartupFailed,
+    WorkerDead,
+    WorkerInput,
+    WorkerUtilityCall,
+    WorkerUtilityResult,
+)
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_DEFAULT_CAP = 4 * 2**30
+"""On the CPU, without --kv-cache-memory-bytes, the KV cache takes at most this."""
+
+
+class WorkerStartupInfo(msgspec.Struct):
+    config: FleetConfig
+    rank: int
+    local_rank: int
+    num_local_workers: int
+    handshake_address: str
+    plan_address: str
+    """The engine's broadcast (XPUB) socket."""
+    result_address: str
+    """The engine's PULL socket; only the driver sends on it."""
+
+
+class Worker:
+    def __init__(self, config: FleetConfig, local_rank: int = 0, num_local_workers: int = 1):
+        from fleet.workers.loader import load_model
+        from fleet.workers.model_runner import TORCH_DTYPES, ModelRunner
+
+        self.config = config
+        self.device = _init_device(config, local_rank, num_local_workers)
+        torch.manual_seed(config.model.seed)
+        dtype = TORCH_DTYPES[config.model.dtype]
+        model = load_model(config.model, config.load, dtype, self.device)
+        self.runner = ModelRunner(config, model, self.device)
+
+    def available_kv_blocks(self) -> int:
+        budget = self._kv_cache_budget_bytes()
+        num_blocks = budget // self.runner.kv_bytes_per_block()
+        needed = -(-self.config.model.max_model_len // self.config.cache.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({budget} bytes) but one sequence of "
+                f"--max-model-len {self.config.model.max_model_len} needs {needed}: "
+                "raise --kv-cache-memory-bytes / --gpu-memory-utilization or lower --max-model-len"
+            )
+        return int(num_blocks)
+
+    def _kv_cache_budget_bytes(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = total * (1 - cache.gpu_memory_utilization)
+            return int(max(free - reserve, 0) * 0.9)  # 10 % headroom for activations
+        available = psutil.virtual_memory().available
+        return int(min(available * cache.gpu_memory_utilization * 0.5, CPU_KV_CACHE_DEFAULT_CAP))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(plan)
+
+    def utility(self, method: str, args: list) -> object:
+        if method == "init_kv_cache":
+            return self.init_kv_cache(*args)
+        if method == "ping":
+            return os.getpid()
+        raise ValueError(f"unknown worker utility {method!r}")
+
+
+def _init_device(config: FleetConfig, local_rank: int, num_local_workers: int) -> torch.device:
+    if config.device.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // num_local_workers))
+    return torch.device("cpu")
+
+
+# ---- the worker process --------------------------------------------------------------
+
+
+def run_worker_process(name: str) -> None:
+    ipc.die_with_parent()
+    info: WorkerStartupInfo = ipc.read_startup_info(WorkerStartupInfo)
+    ctx = zmq.Context()
+    try:
+        worker = Worker(info.config, info.local_rank, info.num_local_workers)
+        plans = ipc.make_socket(ctx, zmq.SUB, connect=info.plan_address)
+        plans.setsockopt(zmq.SUBSCRIBE, b"")
+        results = ipc.make_socket(ctx, zmq.PUSH, connect=info.result_address) if info.rank == 0 else None
+        capacity = KVCapacity(worker.available_kv_blocks(), info.config.cache.block_size)
+    except Exception as error:  # start-up failures go to the parent, which names us
+        logger.exception("%s failed to start", name)
+        ipc.report(info.handshake_address, StartupFailed(name, os.getpid(), f"{type(error).__name__}: {error}"))
+        sys.exit(1)
+    ipc.report(info.handshake_address, Ready(name, os.getpid(), kv_capacity=capacity))
+    _serve(worker, info.rank, name, plans, results)
+
+
+def _serve(worker: Worker, rank: int, name: str, plans: zmq.Socket, results: zmq.Socket | None) -> None:
+    decoder = serial.Decoder(WorkerInput, f"{name} plans")
+    while True:
+        message = decoder.decode(plans.recv())
+        try:
+            match message:
+                case SchedulerOutput():
+                    output = worker.execute(message)
+                    if results is not None:
+                        results.send(serial.encode(output))
+                case WorkerUtilityCall(call_id=call_id, method=method, args=args):
+                    result = worker.utility(method, args)
+                    if results is not None:
+                        results.send(serial.encode(WorkerUtilityResult(call_id, result)))
+                case Shutdown():
+                    return
+        except Exception as error:
+            logger.exception("%s failed", name)
+            if results is not None:
+                results.send(serial.encode(WorkerDead(rank, f"{name}: {type(error).__name__}: {error}")))
+            traceback.print_exc()
+            sys.exit(1)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {sys.argv[-1]} %(message)s")
+    run_worker_process(sys.argv[sys.argv.index("--name") + 1])
+
+
+if __name__ == "__main__":
+    main()
