@@ -202,7 +202,11 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """cache [num_blocks, block_size, KVH, D], tables [...] -> [..., block_size, KVH, D].
 
     index_select on the flattened ids: several times faster on CPU than
-    advanced indexing with a 2-D index.
+    advanced indexing with a 2-D index. Each block is copied as one row of
+    int64 words, not as bf16 elements: index_select's bf16 path is ~3x slower.
     """
-    blocks = cache.index_select(0, tables.flatten())
+    rows = cache.view(cache.shape[0], -1)
+    if rows.shape[1] * rows.element_size() % 8 == 0:
+        rows = rows.view(torch.int64)
+    blocks = rows.index_select(0, tables.flatten()).view(cache.dtype)
     return blocks.view(*tables.shape, *cache.shape[1:])

@@ -48,8 +48,7 @@ def bench_transformers(args, prompts: list[list[int]]) -> float:
 
     dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     if is_default_model(args.model):
-        path = default_model_path()
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+        model = dense_model_from_gguf(default_model_path(), dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model.eval()
@@ -61,6 +60,23 @@ def bench_transformers(args, prompts: list[list[int]]) -> float:
     elapsed = time.perf_counter() - start
     produced = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
     return produced / elapsed
+
+
+def dense_model_from_gguf(path: str, dtype: torch.dtype):
+    """transformers 5 keeps GGUF weights packed and computes with dequantising
+    kernels; the fair baseline is the same weights as a plain dense model
+    (what shared/bench/convert_gguf_to_hf.py writes), so copy them into one."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    packed = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    config = copy.deepcopy(packed.config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    dense = LlamaForCausalLM(config)
+    dense.load_state_dict({k: v.detach().float() for k, v in packed.state_dict().items()})
+    return dense.to(dtype)
 
 
 def main() -> None:
