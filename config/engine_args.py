@@ -73,6 +73,7 @@ class _EngineArgsBase:
         load = LoadConfig(**self._group("load"))
         model = _resolve_model(ModelConfig(**self._group("model")), load, device)
         parallel = ParallelConfig(**self._group("parallel")).resolve(is_moe=model.is_moe)
+        _check_heads_divide(model, parallel)
         scheduler = _resolve_scheduler(SchedulerConfig(**self._group("scheduler")), model, device)
         cache = CacheConfig(**self._group("cache"))
         if cache.enable_prefix_caching is None:
@@ -132,6 +133,16 @@ def _resolve_model(model: ModelConfig, load: LoadConfig, device: DeviceConfig) -
         dtype=_resolve_dtype(model.dtype, hf_config, device),
         max_model_len=_resolve_max_model_len(model.max_model_len, hf_config),
     )
+
+
+def _check_heads_divide(model: ModelConfig, parallel: ParallelConfig) -> None:
+    num_heads = model.hf_config.get("num_attention_heads")
+    tp = parallel.tensor_parallel_size
+    if num_heads and num_heads % tp:
+        raise ValueError(
+            f"--tensor-parallel-size {tp} must divide the model's {num_heads} attention heads "
+            f"(num_attention_heads={num_heads}, tensor_parallel_size={tp})"
+        )
 
 
 def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: DeviceConfig) -> str:

@@ -219,7 +219,8 @@ class EngineCoreProcess:
         dealers = [ipc.make_socket(self.ctx, zmq.DEALER, connect=a, identity=identity) for a in self.info.input_addresses]
         pushes = [ipc.make_socket(self.ctx, zmq.PUSH, connect=a) for a in self.info.output_addresses]
         for dealer in dealers:
-            dealer.send(b"")  # hello: a ROUTER can route only to peers it has heard from
+            # Hello, with our pid so that clients can watch us: a ROUTER routes only to peers it has heard from.
+            dealer.send(str(os.getpid()).encode())
         threading.Thread(target=self._input_thread, args=(dealers,), name="engine-input", daemon=True).start()
         self._pushes = pushes
         threading.Thread(target=self._output_thread, name="engine-output", daemon=True).start()

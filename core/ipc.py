@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 import msgspec
+import psutil
 import zmq
 
 from fleet.core import serial
@@ -141,13 +142,30 @@ class ChildProcess:
                 continue
 
 
-def spawn(module: str, name: str, info: Any) -> ChildProcess:
+class ForeignProcess:
+    """A process we did not start but depend on (an API server's engines)."""
+
+    def __init__(self, name: str, pid: int):
+        self.name = name
+        self.pid = pid
+
+    def alive(self) -> bool:
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def describe_exit(self) -> str:
+        return f"{self.name} (pid {self.pid}) " + ("is running" if self.alive() else "died")
+
+
+def spawn(module: str, name: str, info: Any, pass_fds: tuple[int, ...] = ()) -> ChildProcess:
     """Start `python -m module --name name` with `info` (msgspec) on its stdin.
     The name stands in the command line so `ps` shows what each process is."""
     popen = subprocess.Popen(
         [sys.executable, "-m", module, "--name", name],
         stdin=subprocess.PIPE,
-        start_new_session=False,
+        pass_fds=pass_fds,
     )
     assert popen.stdin is not None
     popen.stdin.write(msgspec.msgpack.encode(info))

@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(node_plan(config), sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    json.dump(node_plan(config), sys.stdout, indent=2)
-    sys.stdout.write("\nfleet launch: the engine is not built yet; this is the plan it will follow.\n")
-    return 0
+    from fleet.frontend.launcher import launch
+
+    return launch(config)
 
 
 if __name__ == "__main__":

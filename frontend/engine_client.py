@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import msgspec
 import zmq
 
 from fleet.config.fleet import FleetConfig
@@ -37,21 +38,43 @@ OutputHandler = Callable[[EngineCoreOutputs], None]
 DeathHandler = Callable[[str], None]
 
 
+class ClientAddresses(msgspec.Struct):
+    """Where one client (API server or LLM) takes requests from engines' point of view."""
+
+    requests: str
+    """The client's ROUTER: engines connect a DEALER here."""
+    outputs: str
+    """The client's PULL: engines connect a PUSH here."""
+
+    @staticmethod
+    def new() -> ClientAddresses:
+        return ClientAddresses(ipc.new_ipc_address("requests"), ipc.new_ipc_address("outputs"))
+
+
 class EngineDeadError(RuntimeError):
     """An engine core (or a worker under it) died; the message names it."""
 
 
 class EngineClient:
-    def __init__(self, config: FleetConfig, on_outputs: OutputHandler, on_death: DeathHandler, client_index: int = 0):
+    def __init__(
+        self,
+        config: FleetConfig,
+        on_outputs: OutputHandler,
+        on_death: DeathHandler,
+        client_index: int = 0,
+        addresses: ClientAddresses | None = None,
+    ):
         self.config = config
         self.client_index = client_index
         self.on_outputs = on_outputs
         self.on_death = on_death
         self.ctx = zmq.Context()
-        self.requests = ipc.make_socket(self.ctx, zmq.ROUTER, bind=ipc.new_ipc_address("requests"))
+        addresses = addresses or ClientAddresses.new()
+        self.requests = ipc.make_socket(self.ctx, zmq.ROUTER, bind=addresses.requests)
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.outputs = ipc.make_socket(self.ctx, zmq.PULL, bind=ipc.new_ipc_address("outputs"))
+        self.outputs = ipc.make_socket(self.ctx, zmq.PULL, bind=addresses.outputs)
         self.engines: list[ipc.ChildProcess] = []
+        self.foreign_engines: list[ipc.ForeignProcess] = []
         self.engine_identities: list[bytes] = []
         self.kv_capacity: KVCapacity | None = None
         self.dead_reason: str | None = None
@@ -86,7 +109,11 @@ class EngineClient:
             raise
         handshake.close()
         self.kv_capacity = min((r.kv_capacity for r in ready.values() if r.kv_capacity), key=lambda c: c.num_blocks)
-        self._await_engine_hellos(len(self.engines))
+        self.connect_engines(len(self.engines))
+
+    def connect_engines(self, count: int) -> None:
+        """Wait for the hello of `count` engines, then start taking their outputs."""
+        self._await_engine_hellos(count)
         self._output_thread = threading.Thread(target=self._output_loop, name="engine-client-output", daemon=True)
         self._output_thread.start()
 
@@ -94,8 +121,10 @@ class EngineClient:
         while len(self.engine_identities) < count:
             if not self.requests.poll(self.config.parallel.distributed_timeout_seconds * 1000):
                 raise EngineDeadError("engine cores did not say hello on the request socket")
-            identity, _ = self.requests.recv_multipart()
+            identity, hello = self.requests.recv_multipart()
             self.engine_identities.append(identity)
+            if not self.engines:  # not our children: watch them by the pid they said hello with
+                self.foreign_engines.append(ipc.ForeignProcess(f"fleet-engine-dp{int.from_bytes(identity, 'little')}", int(hello)))
         self.engine_identities.sort()
 
     # ---- requests -------------------------------------------------------------------------
@@ -144,7 +173,7 @@ class EngineClient:
                     self._declare_dead(reason)
 
     def _check_engines_alive(self) -> None:
-        dead = [engine for engine in self.engines if not engine.alive()]
+        dead = [engine for engine in [*self.engines, *self.foreign_engines] if not engine.alive()]
         if dead and self.dead_reason is None:
             self._declare_dead("; ".join(engine.describe_exit() for engine in dead))
 

@@ -83,6 +83,9 @@ class MultiprocExecutor(Executor):
         self.call_ids = itertools.count()
 
     def start(self) -> KVCapacity:
+        if self.config.parallel.replica_size > 1:
+            # Workers do not form torch.distributed groups yet: several would each run the whole model.
+            raise ValueError("tensor and pipeline parallel workers are not available yet: use --tp 1 --pp 1")
         handshake = ipc.HandshakeListener(self.ctx)
         try:
             self._spawn_workers(handshake.address)

@@ -1,0 +1,255 @@
+"""The API server process: FastAPI routes over an AsyncEngine.
+
+Errors always have OpenAI's shape `{"error": {"message", "type", "param",
+"code"}}`: 400 for bad parameters and malformed JSON, 401 for a wrong key,
+404 for an unknown model, 500 when a request failed in the engine, 503 when
+the engine is dead.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+from http import HTTPStatus
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import fleet
+from fleet.config.fleet import FleetConfig
+from fleet.core import ipc
+from fleet.core.messages import Ready, StartupFailed
+from fleet.core.sampling_params import InvalidParameter
+from fleet.frontend.async_engine import AsyncEngine
+from fleet.frontend.engine_client import ClientAddresses, EngineDeadError
+from fleet.frontend.metrics import Metrics
+from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, now
+from fleet.frontend.serving import RequestFailed, Serving
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+        status, "InternalServerError"
+    )
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
+    app = FastAPI(title="fleet", version=fleet.__version__)
+    served_names = config.model.served_model_name or [config.model.model]
+    serving = Serving(engine, served_names[0])
+    metrics = engine.metrics
+    api_key = config.frontend.api_key
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
+            return error_response(401, "invalid or missing API key: send `Authorization: Bearer KEY`")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(part) for part in first.get("loc", []) if part != "body"]
+        param = ".".join(location) or None
+        message = first.get("msg", "invalid request body")
+        if first.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        return error_response(400, f"{message}" + (f" ({param})" if param else ""), param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException):
+        return error_response(error.status_code, str(error.detail))
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError):
+        return error_response(error.status, str(error), error.param)
+
+    @app.exception_handler(InvalidParameter)
+    async def invalid_parameter(_: Request, error: InvalidParameter):
+        return error_response(400, str(error), error.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError):
+        return error_response(503, str(error))
+
+    @app.exception_handler(RequestFailed)
+    async def request_failed(_: Request, error: RequestFailed):
+        return error_response(500, f"the request failed in the engine: {error}")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in served_names:
+            raise APIError(404, f"The model `{name}` does not exist. Served: {served_names}", "model")
+        if engine.dead_reason is not None:
+            raise EngineDeadError(engine.dead_reason)
+
+    @app.get("/health")
+    async def health():
+        if engine.dead_reason is not None:
+            return error_response(503, engine.dead_reason)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": fleet.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        created = now()
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "fleet", "root": config.model.model, "max_model_len": config.model.max_model_len}
+            for name in served_names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if serving.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if body.messages is not None:
+            text = serving.chat_prompt(ChatCompletionRequest(messages=body.messages))
+            tokens = serving.tokenizer.encode(text, add_special_tokens=False)
+        elif body.prompt is not None:
+            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "give `prompt` or `messages`", "prompt")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": config.model.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        if serving.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompts = body.prompts()
+        if not prompts:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        prepared = [serving.prepare(p, body, body.logprobs) for p in prompts]
+        if body.stream:
+            return _stream(serving.completion_stream(body, prepared))
+        return await _unless_disconnected(serving.completion(body, prepared), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prepared = serving.prepare(serving.chat_prompt(body), body, logprobs)
+        if body.stream:
+            return _stream(serving.chat_stream(body, prepared))
+        return await _unless_disconnected(serving.chat(body, prepared), request)
+
+    return app
+
+
+def _stream(events) -> StreamingResponse:
+    async def guarded():
+        try:
+            async for event in events:
+                yield event
+        except (RequestFailed, EngineDeadError) as error:
+            status = 503 if isinstance(error, EngineDeadError) else 500
+            yield f"data: {msgspec.json.encode({'error': {'message': str(error), 'type': 'InternalServerError', 'param': None, 'code': status}}).decode()}\n\n"
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(guarded(), media_type="text/event-stream")
+
+
+async def _unless_disconnected(work, request: Request):
+    """Run a non-streaming request; if the client goes away, cancel it (which
+    aborts it in the engine) instead of computing an answer nobody reads."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=HTTPStatus.NO_CONTENT)
+    return task.result()
+
+
+# ---- the API server process ------------------------------------------------------------
+
+
+class APIServerStartupInfo(msgspec.Struct):
+    config: FleetConfig
+    index: int
+    addresses: ClientAddresses
+    num_engines: int
+    listen_fd: int
+    handshake_address: str
+
+
+def run_api_server(name: str, info: APIServerStartupInfo) -> None:
+    import uvicorn
+
+    from fleet.frontend.tokenizer import load_tokenizer
+
+    try:
+        config = info.config
+        metrics = Metrics(config.model.served_model_name[0] if config.model.served_model_name else config.model.model)
+        engine = AsyncEngine(config, load_tokenizer(config.model), info.index, info.addresses, metrics)
+        engine.connect(info.num_engines)
+        app = build_app(engine, config)
+    except Exception as error:
+        logger.exception("%s failed to start", name)
+        ipc.report(info.handshake_address, StartupFailed(name, os.getpid(), f"{type(error).__name__}: {error}"))
+        sys.exit(1)
+    server = uvicorn.Server(uvicorn.Config(app, fd=info.listen_fd, log_level=config.frontend.uvicorn_log_level, timeout_graceful_shutdown=int(config.frontend.shutdown_timeout)))
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            ipc.report(info.handshake_address, Ready(name, os.getpid()))
+        await task
+
+    asyncio.run(serve())
+    engine.shutdown()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound once by the launcher and shared by every API server."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main() -> None:
+    name = sys.argv[sys.argv.index("--name") + 1]
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
+    ipc.die_with_parent()
+    run_api_server(name, ipc.read_startup_info(APIServerStartupInfo))
+
+
+if __name__ == "__main__":
+    main()

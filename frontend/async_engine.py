@@ -1,0 +1,121 @@
+"""AsyncEngine: what an API server's handlers call. It turns engine outputs,
+which arrive on the EngineClient's thread, into per-request asyncio
+notifications, and aborts a request whose consumer goes away."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from fleet.config.fleet import FleetConfig
+from fleet.core.messages import EngineCoreOutputs
+from fleet.core.sampling_params import SamplingParams
+from fleet.frontend.engine_client import ClientAddresses, EngineClient, EngineDeadError
+from fleet.frontend.metrics import Metrics
+from fleet.frontend.output_processor import RequestState, child_requests
+
+
+class _Tracked:
+    """A running request: its state, its event loop queue and its timings."""
+
+    def __init__(self, state: RequestState, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop):
+        self.state = state
+        self.queue = queue
+        self.loop = loop
+        self.arrival = time.monotonic()
+        self.last_token_at: float | None = None
+
+
+class AsyncEngine:
+    def __init__(self, config: FleetConfig, tokenizer, client_index: int, addresses: ClientAddresses, metrics: Metrics):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.client = EngineClient(config, self._on_outputs, self._on_death, client_index, addresses)
+        self.client_index = client_index
+        self._tracked: dict[str, tuple[_Tracked, int]] = {}  # engine request id -> (request, sequence index)
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._next_engine = itertools.count()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.client.dead_reason
+
+    def connect(self, num_engines: int) -> None:
+        self.client.connect_engines(num_engines)
+
+    async def generate(
+        self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestState]:
+        """Yield the request's state each time it changes, until it finishes.
+        Leaving the loop early (client gone) aborts the request in the engine."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        request_id = f"{self.client_index}-{next(self._ids)}"
+        tracked = _Tracked(RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer), asyncio.Queue(), asyncio.get_running_loop())
+        children = child_requests(request_id, prompt_token_ids, params, time.time(), self.client_index, priority)
+        engine = self._pick_engine()
+        with self._lock:
+            for index, child in enumerate(children):
+                self._tracked[child.request_id] = (tracked, index)
+        for child in children:
+            self.client.add_request(child, engine)
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        try:
+            while not tracked.state.output.finished:
+                await tracked.queue.get()
+                yield tracked.state
+        finally:
+            unfinished = [c.request_id for c, seq in zip(children, tracked.state.output.outputs) if not seq.finished]
+            with self._lock:
+                for child in children:
+                    self._tracked.pop(child.request_id, None)
+            if unfinished and self.dead_reason is None:
+                self.client.abort(unfinished, engine)
+
+    def _pick_engine(self) -> int:
+        # Data-parallel balancing arrives with several engines; in rotation until then.
+        return next(self._next_engine) % len(self.client.engine_identities)
+
+    # ---- called on the EngineClient's output thread ----------------------------------------
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        to_abort = []
+        if outputs.scheduler_stats is not None:
+            self.metrics.observe_scheduler(outputs.scheduler_stats, outputs.engine_index)
+        with self._lock:
+            for output in outputs.outputs:
+                entry = self._tracked.get(output.request_id)
+                if entry is None:
+                    continue
+                tracked, index = entry
+                self._observe_timing(tracked, len(output.new_token_ids), now)
+                if tracked.state.apply(index, output):
+                    to_abort.append(output.request_id)
+                if tracked.state.output.finished:
+                    self.metrics.observe_finished(tracked.state.output, now - tracked.arrival)
+                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, None)
+        self.client.abort(to_abort)
+
+    def _observe_timing(self, tracked: _Tracked, num_new: int, now: float) -> None:
+        if not num_new:
+            return
+        self.metrics.generation_tokens.inc(num_new)
+        if tracked.last_token_at is None:
+            self.metrics.time_to_first_token.observe(now - tracked.arrival)
+        else:
+            self.metrics.inter_token_latency.observe((now - tracked.last_token_at) / num_new)
+        tracked.last_token_at = now
+
+    def _on_death(self, reason: str) -> None:
+        with self._lock:
+            for tracked, _ in self._tracked.values():
+                tracked.state.fail(reason)
+                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, None)
+
+    def shutdown(self) -> None:
+        self.client.shutdown(timeout=0)

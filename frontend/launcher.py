@@ -1,0 +1,106 @@
+"""`fleet launch`: start this node's processes, run the start-up handshake
+under one deadline, then supervise. Any child's death tears the node down
+and exits non-zero; SIGINT/SIGTERM shut down within --shutdown-timeout."""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import zmq
+
+from fleet.config.fleet import FleetConfig
+from fleet.core import ipc
+from fleet.core.engine_core import EngineCoreStartupInfo
+from fleet.frontend.api_server import APIServerStartupInfo, listening_socket
+from fleet.frontend.engine_client import ClientAddresses
+from fleet.parallel.dims import node_engine_ranks
+
+logger = logging.getLogger("fleet.launch")
+
+SUPERVISE_INTERVAL_S = 0.2
+
+
+class Launcher:
+    def __init__(self, config: FleetConfig):
+        self.config = config
+        self.children: list[ipc.ChildProcess] = []
+        self.stop_requested: str | None = None
+        self.url = "(headless: no HTTP)"
+
+    def run(self) -> int:
+        """Start, supervise, stop; the exit code of `fleet launch`."""
+        signal.signal(signal.SIGTERM, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop)
+        start = time.monotonic()
+        try:
+            self._start()
+        except (ipc.ChildFailed, ipc.StartupTimeout, OSError) as error:
+            logger.error("start-up failed: %s", error)
+            self._stop_all(timeout=2.0)
+            return 1
+        logger.info("serving %s on %s (ready in %.1f s)", self.config.model.served_model_name, self.url, time.monotonic() - start)
+        return self._supervise()
+
+    def _start(self) -> None:
+        config, frontend = self.config, self.config.frontend
+        ctx = zmq.Context()
+        handshake = ipc.HandshakeListener(ctx)
+        try:
+            engine_ranks = node_engine_ranks(config.parallel)
+            clients = [ClientAddresses.new() for _ in range(frontend.api_server_count)] if not config.parallel.headless else []
+            http = listening_socket(frontend.host, frontend.port) if clients else None
+            if http is not None:  # --port 0 binds any free port: say which
+                self.url = f"http://{frontend.host}:{http.getsockname()[1]}"
+            for index, addresses in enumerate(clients):
+                info = APIServerStartupInfo(config, index, addresses, len(engine_ranks), http.fileno(), handshake.address)
+                self.children.append(ipc.spawn("fleet.frontend.api_server", f"fleet-api-{index}", info, pass_fds=(http.fileno(),)))
+            for dp_rank in engine_ranks:
+                info = EngineCoreStartupInfo(
+                    config=config,
+                    dp_rank=dp_rank,
+                    handshake_address=handshake.address,
+                    input_addresses=[c.requests for c in clients],
+                    output_addresses=[c.outputs for c in clients],
+                )
+                self.children.append(ipc.spawn("fleet.core.engine_core", f"fleet-engine-dp{dp_rank}", info))
+            ready = handshake.wait_all(self.children, config.parallel.distributed_timeout_seconds)
+            if http is not None:
+                http.close()  # the API servers hold their own copies
+            for message in ready.values():
+                if message.kv_capacity is not None:
+                    capacity = message.kv_capacity
+                    concurrency = capacity.num_tokens / config.model.max_model_len
+                    logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name, capacity.num_tokens, concurrency, config.model.max_model_len)
+        finally:
+            handshake.close()
+            ctx.destroy(linger=0)
+
+    def _supervise(self) -> int:
+        while self.stop_requested is None:
+            dead = [child for child in self.children if not child.alive()]
+            if dead:
+                logger.error("%s: shutting the node down", "; ".join(child.describe_exit() for child in dead))
+                self._stop_all(timeout=2.0)
+                return 1
+            time.sleep(SUPERVISE_INTERVAL_S)
+        logger.info("%s: shutting down", self.stop_requested)
+        self._stop_all(timeout=self.config.frontend.shutdown_timeout)
+        return 0
+
+    def _request_stop(self, signum: int, _frame) -> None:
+        self.stop_requested = signal.Signals(signum).name
+
+    def _stop_all(self, timeout: float) -> None:
+        """SIGTERM everyone at once (API servers drain, engines stop), then wait."""
+        for child in self.children:
+            if child.alive():
+                child.popen.terminate()
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            child.stop(max(deadline - time.monotonic(), 0.0))
+
+
+def launch(config: FleetConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s fleet-launch %(message)s")
+    return Launcher(config).run()

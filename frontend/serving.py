@@ -1,0 +1,273 @@
+"""The OpenAI completions and chat completions endpoints: prompt in, response
+(or server-sent event stream) out. Routes and errors live in api_server.py."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fleet.core.sampling_params import InvalidParameter, SamplingParams
+from fleet.frontend.async_engine import AsyncEngine
+from fleet.frontend.output_processor import CompletionOutput, Logprob, RequestOutput, RequestState
+from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
+
+
+class RequestFailed(Exception):
+    """The engine ended a request with an error (e.g. a worker died): HTTP 500."""
+
+
+@dataclass
+class Prepared:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.max_model_len = engine.config.model.max_model_len
+        self.max_logprobs = engine.config.model.max_logprobs
+
+    # ---- validation ---------------------------------------------------------------------
+
+    def prepare(self, prompt: str | list[int], request, logprobs: int | None) -> Prepared:
+        """Tokenise and build validated SamplingParams; raises InvalidParameter."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameter("prompt", "this model has no tokenizer: send token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.engine.config.model.hf_config.get("vocab_size", 0)
+            if any(not 0 <= t < vocab for t in token_ids):
+                raise InvalidParameter("prompt", f"token ids must be in [0, {vocab})")
+            prompt = None
+        if not token_ids:
+            raise InvalidParameter("prompt", "the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidParameter(
+                "prompt",
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {len(token_ids)} tokens.",
+            )
+        params = request.sampling_params(self.max_model_len - len(token_ids), logprobs).validate(self.max_logprobs)
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidParameter(
+                "max_tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, {params.max_tokens} "
+                "for the completion). Please reduce the length of the prompt or max_tokens.",
+            )
+        return Prepared(prompt, token_ids, params)
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> str:
+        if self.tokenizer is None:
+            raise InvalidParameter("messages", "this model has no tokenizer and no chat template")
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=request.add_generation_prompt)
+        except Exception as error:  # templates raise anything from jinja
+            raise InvalidParameter("messages", f"the chat template failed: {error}") from None
+
+    # ---- running -------------------------------------------------------------------------
+
+    async def run_to_end(self, prepared: Prepared, priority: int) -> RequestOutput:
+        state = None
+        async for state in self.engine.generate(prepared.prompt, prepared.prompt_token_ids, prepared.params, priority):
+            pass
+        assert state is not None
+        _raise_if_failed(state.output)
+        return state.output
+
+    # ---- completions --------------------------------------------------------------------------
+
+    async def completion(self, request: CompletionRequest, prepared: list[Prepared]) -> dict:
+        outputs = [await self.run_to_end(p, request.priority) for p in prepared]
+        choices = []
+        for prompt_index, output in enumerate(outputs):
+            for sequence in output.outputs:
+                text = (output.prompt or "") + sequence.text if request.echo else sequence.text
+                choices.append(
+                    {
+                        "index": prompt_index * request.n + sequence.index,
+                        "text": text,
+                        "logprobs": self._completion_logprobs(sequence, request.logprobs) if request.logprobs is not None else None,
+                        "finish_reason": sequence.finish_reason,
+                        "stop_reason": sequence.stop_reason,
+                    }
+                )
+        return {
+            "id": random_id("cmpl"),
+            "object": "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(outputs),
+        }
+
+    async def completion_stream(self, request: CompletionRequest, prepared: list[Prepared]) -> AsyncIterator[str]:
+        base = {"id": random_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name}
+        outputs = []
+        for prompt_index, p in enumerate(prepared):
+            cursors = [StreamCursor() for _ in range(p.params.n)]
+            state = None
+            async for state in self.engine.generate(p.prompt, p.prompt_token_ids, p.params, request.priority):
+                for sequence in state.output.outputs:
+                    step = cursors[sequence.index].advance(state, sequence)
+                    if step is None:
+                        continue
+                    text, first, end = step
+                    if request.echo and first == 0:
+                        text = (p.prompt or "") + text
+                    choice = {
+                        "index": prompt_index * request.n + sequence.index,
+                        "text": text,
+                        "logprobs": self._completion_logprobs(sequence, request.logprobs, first, end) if request.logprobs is not None else None,
+                        "finish_reason": sequence.finish_reason,
+                        "stop_reason": sequence.stop_reason,
+                    }
+                    yield _event({**base, "choices": [choice]})
+            assert state is not None
+            _raise_if_failed(state.output)
+            outputs.append(state.output)
+        if request.stream_options and request.stream_options.include_usage:
+            yield _event({**base, "choices": [], "usage": _usage(outputs)})
+        yield "data: [DONE]\n\n"
+
+    # ---- chat -------------------------------------------------------------------------------
+
+    async def chat(self, request: ChatCompletionRequest, prepared: Prepared) -> dict:
+        output = await self.run_to_end(prepared, request.priority)
+        choices = [
+            {
+                "index": sequence.index,
+                "message": {"role": "assistant", "content": sequence.text},
+                "logprobs": {"content": self._chat_logprobs(sequence, request.top_logprobs or 0)} if request.logprobs else None,
+                "finish_reason": sequence.finish_reason,
+                "stop_reason": sequence.stop_reason,
+            }
+            for sequence in output.outputs
+        ]
+        return {
+            "id": random_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage([output]),
+        }
+
+    async def chat_stream(self, request: ChatCompletionRequest, prepared: Prepared) -> AsyncIterator[str]:
+        response_id, created = random_id("chatcmpl"), now()
+        base = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        n = prepared.params.n
+        for index in range(n):
+            yield _event({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+        cursors = [StreamCursor() for _ in range(n)]
+        state = None
+        async for state in self.engine.generate(prepared.prompt, prepared.prompt_token_ids, prepared.params, request.priority):
+            for sequence in state.output.outputs:
+                step = cursors[sequence.index].advance(state, sequence)
+                if step is None:
+                    continue
+                text, first, end = step
+                logprobs = None
+                if request.logprobs:
+                    logprobs = {"content": self._chat_logprobs(sequence, request.top_logprobs or 0, first, end)}
+                choice = {
+                    "index": sequence.index,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": logprobs,
+                    "finish_reason": sequence.finish_reason,
+                }
+                if sequence.finished:
+                    choice["stop_reason"] = sequence.stop_reason
+                yield _event({**base, "choices": [choice]})
+        assert state is not None
+        _raise_if_failed(state.output)
+        if request.stream_options and request.stream_options.include_usage:
+            yield _event({**base, "choices": [], "usage": _usage([state.output])})
+        yield "data: [DONE]\n\n"
+
+    # ---- pieces -------------------------------------------------------------------------------
+
+    def _token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def _completion_logprobs(self, sequence: CompletionOutput, top_k: int, start: int = 0, stop: int | None = None) -> dict:
+        stop = len(sequence.token_ids) if stop is None else stop
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for token_id, entry in zip(sequence.token_ids[start:stop], (sequence.logprobs or [])[start:stop]):
+            text = self._token_text(token_id, entry.get(token_id))
+            tokens.append(text)
+            token_logprobs.append(entry[token_id].logprob)
+            top.append({self._token_text(t, lp): lp.logprob for t, lp in entry.items() if lp.rank <= top_k})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_logprobs(self, sequence: CompletionOutput, top_k: int, start: int = 0, stop: int | None = None) -> list[dict]:
+        stop = len(sequence.token_ids) if stop is None else stop
+        content = []
+        for token_id, entry in zip(sequence.token_ids[start:stop], (sequence.logprobs or [])[start:stop]):
+            text = self._token_text(token_id, entry.get(token_id))
+            alternatives = [(t, lp) for t, lp in entry.items() if lp.rank <= top_k]
+            content.append(
+                {
+                    "token": text,
+                    "logprob": entry[token_id].logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": self._token_text(t, lp), "logprob": lp.logprob, "bytes": list(self._token_text(t, lp).encode())}
+                        for t, lp in alternatives
+                    ],
+                }
+            )
+        return content
+
+
+@dataclass
+class StreamCursor:
+    """How much of one sequence a stream has sent."""
+
+    text: int = 0
+    """Characters of text sent."""
+    tokens: int = 0
+    """Tokens whose logprobs were sent."""
+    done: bool = False
+    """The final event (with the finish reason) was sent."""
+
+    def advance(self, state: RequestState, sequence: CompletionOutput) -> tuple[str, int, int] | None:
+        """The next event of the sequence: (new text, first token, end token),
+        or None while there is nothing new to send."""
+        if self.done:
+            return None
+        stable = state.detokenizers[sequence.index].stable_text_length(sequence.finished)
+        text = sequence.text[self.text : stable]
+        if not text and not sequence.finished:
+            return None
+        first, end = self.tokens, len(sequence.token_ids)
+        self.text, self.tokens, self.done = max(self.text, stable), end, sequence.finished
+        return text, first, end
+
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    for sequence in output.outputs:
+        if sequence.finish_reason == "error":
+            raise RequestFailed(str(sequence.stop_reason))
+
+
+def _usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,90 @@
+"""Run `fleet launch` as a real subprocess and talk to it over HTTP."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+
+
+class Server:
+    """A `fleet launch` subprocess on a free port (the launcher binds port 0 and logs the URL)."""
+
+    def __init__(self, *args: str, startup_timeout: float = 120.0):
+        self.log: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fleet.frontend.cli", "launch", *args, "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self._url_found = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read_log, daemon=True).start()
+        if not self._url_found.wait(startup_timeout):
+            self.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.log[-40:]))
+        self.descendants = psutil.Process(self.proc.pid).children(recursive=True)
+
+    def _read_log(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            match = re.search(r"serving .* on (http://\S+)", line)
+            if match:
+                self.url = match.group(1)
+                self._url_found.set()
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def children_named(self, part: str) -> list[psutil.Process]:
+        return [p for p in self.descendants if part in " ".join(p.cmdline())]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout)
+        self.assert_nothing_left()
+        return code
+
+    def kill(self) -> None:
+        for p in [*psutil.Process(self.proc.pid).children(recursive=True), psutil.Process(self.proc.pid)]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+
+    def assert_nothing_left(self, timeout: float = 10.0) -> None:
+        _, alive = psutil.wait_procs(self.descendants, timeout=timeout)
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=60, **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=60, **kwargs)
+
+    def metric(self, name: str) -> float:
+        """Sum of a Prometheus metric over its label sets."""
+        total = 0.0
+        for line in self.get("/metrics").text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def wait_until(self, predicate, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.1)
+        return predicate()

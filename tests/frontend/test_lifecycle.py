@@ -1,0 +1,73 @@
+"""Start, stop and failure of a whole `fleet launch` process tree."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.frontend.server import Server
+
+pytestmark = pytest.mark.slow
+
+
+def launch(model_dir: str, *extra: str) -> Server:
+    return Server(model_dir, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "4M", *extra)
+
+
+def test_sigterm_stops_every_process_in_time(tiny_llama_dir):
+    server = launch(str(tiny_llama_dir), "--shutdown-timeout", "3")
+    assert len(server.descendants) >= 3  # API server, engine core, worker
+    started = time.monotonic()
+    assert server.stop(timeout=3 + 5) == 0
+    assert time.monotonic() - started < 3 + 5
+
+
+def test_engine_sigkill_fails_health_and_the_launcher(tiny_llama_dir):
+    server = launch(str(tiny_llama_dir))
+    (engine,) = server.children_named("fleet-engine-dp0")
+    os.kill(engine.pid, signal.SIGKILL)
+
+    def health_fails() -> bool:
+        try:
+            return server.get("/health").status_code != 200
+        except httpx.HTTPError:
+            return True
+
+    assert server.wait_until(health_fails, timeout=5)
+    assert server.proc.wait(timeout=15) != 0
+    server.assert_nothing_left()
+    assert any("fleet-engine-dp0" in line and "died" in line for line in server.log)
+
+
+def test_api_key_and_two_api_servers(tiny_llama_dir, monkeypatch):
+    server = launch(str(tiny_llama_dir), "--api-key", "sekrit", "--api-server-count", "2")
+    try:
+        assert len(server.children_named("fleet-api-")) == 2
+        body = {"prompt": "hello", "max_tokens": 3}
+        missing = server.post("/v1/completions", json=body)
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == 401
+        wrong = server.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        # The kernel spreads connections over both servers' shared socket; each answers.
+        for _ in range(8):
+            ok = server.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"})
+            assert ok.status_code == 200, ok.text
+        assert server.get("/health").status_code == 200  # outside /v1: no key needed
+    finally:
+        assert server.stop() == 0
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused_in_one_line(tiny_llama_dir):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "fleet.frontend.cli", "launch", str(tiny_llama_dir), "--tp", "3", "--device", "cpu"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "--tensor-parallel-size 3" in result.stderr and "4 attention heads" in result.stderr

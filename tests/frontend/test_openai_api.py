@@ -1,0 +1,172 @@
+"""The OpenAI-compatible server end to end: `fleet launch` as a subprocess,
+the official openai client, outputs compared with fleet.LLM and transformers."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+import fleet
+from fleet import SamplingParams
+from tests.engine.oracle import greedy, hf_model
+from tests.frontend.server import Server
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "hello world, this is a test"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    server = Server(str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "16M", "--max-model-len", "2048")
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir):
+    with fleet.LLM(str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes="4M") as llm:
+        yield llm
+
+
+def model_name(server: Server) -> str:
+    return server.get("/v1/models").json()["data"][0]["id"]
+
+
+def test_models_health_version(server):
+    assert server.get("/health").status_code == 200
+    assert server.get("/version").json()["version"] == fleet.__version__
+    assert len(server.get("/v1/models").json()["data"]) >= 1
+
+
+def test_greedy_completion_equals_offline_llm(server, client, offline, tiny_llama_dir):
+    response = client.completions.create(model=model_name(server), prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"min_tokens": 16})
+    expected = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, min_tokens=16), use_tqdm=False)[0]
+    assert response.choices[0].text == expected.outputs[0].text
+    ids = offline.tokenizer.encode(PROMPT)
+    assert expected.outputs[0].token_ids == greedy(hf_model(str(tiny_llama_dir)), ids, 16)
+    assert response.usage.prompt_tokens == len(ids)
+    assert response.usage.completion_tokens == 16
+    assert response.usage.total_tokens == len(ids) + 16
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_streaming_completion_concatenates_to_the_full_text(server, client):
+    kwargs = dict(model=model_name(server), prompt=PROMPT, max_tokens=20, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    stream = client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == full
+    assert usage is not None and usage.completion_tokens == 20
+    assert finish == "length"
+
+
+def test_chat_and_chat_stream(server, client):
+    messages = [{"role": "user", "content": "Say something."}]
+    full = client.chat.completions.create(model=model_name(server), messages=messages, max_tokens=12, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    assert 0 < full.usage.completion_tokens <= 12
+    stream = client.chat.completions.create(model=model_name(server), messages=messages, max_tokens=12, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == full.choices[0].message.content
+
+
+def test_n_stop_max_tokens_logprobs(server, client):
+    name = model_name(server)
+    two = client.completions.create(model=name, prompt=PROMPT, n=2, max_tokens=8, temperature=1.0, seed=3, extra_body={"min_tokens": 8})
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.usage.completion_tokens == 16
+    free = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
+    stopped = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop]).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free[: free.index(stop)]
+    with_logprobs = client.completions.create(model=name, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3).choices[0]
+    assert len(with_logprobs.logprobs.token_logprobs) == 4
+    assert all(len(top) >= 1 for top in with_logprobs.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == 3
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def test_errors_have_openai_shape(server):
+    name = model_name(server)
+    assert_openai_error(server.post("/v1/completions", json={"model": name, "prompt": "x", "temperature": -1}), 400, "temperature")
+    assert_openai_error(server.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 0}), 400, "max_tokens")
+    assert_openai_error(server.post("/v1/completions", json={"model": name, "prompt": "x", "top_p": 2}), 400, "top_p")
+    assert_openai_error(server.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "model")
+    malformed = server.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_openai_error(malformed, 400)
+    assert_openai_error(server.post("/v1/completions", json={"model": name}), 400, "prompt")
+    assert_openai_error(server.post("/v1/chat/completions", json={"model": name, "messages": "nope"}), 400, "messages")
+
+
+def test_prompt_longer_than_the_model_is_a_400(server):
+    response = server.post("/v1/completions", json={"model": model_name(server), "prompt": [7] * 10_000, "max_tokens": 4})
+    error = assert_openai_error(response, 400, "prompt")
+    assert "2048" in error["message"]
+    assert server.get("/health").status_code == 200
+
+
+def test_tokenize_detokenize(server):
+    tokens = server.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert server.post("/detokenize", json={"tokens": tokens}).json()["prompt"].strip() == PROMPT
+
+
+def test_64_concurrent_streams_then_16_cancelled(server):
+    name = model_name(server)
+    expected = openai.OpenAI(base_url=server.base_url, api_key="x").completions.create(model=name, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text
+
+    async def stream_one(client: openai.AsyncOpenAI, cancel_after: int | None) -> str:
+        stream = await client.completions.create(model=name, prompt=PROMPT, max_tokens=10 if cancel_after is None else 1000, temperature=0, stream=True)
+        text, chunks = "", 0
+        async for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+            chunks += 1
+            if cancel_after is not None and chunks >= cancel_after:
+                await stream.close()
+                break
+        return text
+
+    async def run(count: int, cancel_after: int | None) -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(stream_one(client, cancel_after) for _ in range(count)))
+
+    texts = asyncio.run(run(64, None))
+    assert texts == [expected] * 64
+    assert server.wait_until(lambda: server.metric("fleet:kv_cache_usage_perc") == 0.0)
+    asyncio.run(run(16, cancel_after=3))
+    # Cancelled streams abort their requests: the engine frees their blocks.
+    assert server.wait_until(lambda: server.metric("fleet:num_requests_running") == 0 and server.metric("fleet:kv_cache_usage_perc") == 0.0)
+    assert server.metric('fleet:request_success_total') >= 64
+
+
+def test_metrics_exposed(server):
+    text = server.get("/metrics").text
+    for name in ("fleet:num_requests_running", "fleet:num_requests_waiting", "fleet:kv_cache_usage_perc", "fleet:prompt_tokens_total",
+                 "fleet:generation_tokens_total", "fleet:time_to_first_token_seconds", "fleet:inter_token_latency_seconds",
+                 "fleet:e2e_request_latency_seconds", "fleet:prefix_cache_queries_total", "fleet:prefix_cache_hits_total"):
+        assert name in text, name
