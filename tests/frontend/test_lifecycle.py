@@ -42,6 +42,22 @@ def test_engine_sigkill_fails_health_and_the_launcher(tiny_llama_dir):
     assert any("fleet-engine-dp0" in line and "died" in line for line in server.log)
 
 
+def test_requests_get_503_while_the_engine_is_dead(tiny_llama_dir):
+    server = launch(str(tiny_llama_dir))
+    (engine,) = server.children_named("fleet-engine-dp0")
+    os.kill(server.proc.pid, signal.SIGSTOP)  # hold the launcher back so the API server outlives the engine
+    try:
+        os.kill(engine.pid, signal.SIGKILL)
+        assert server.wait_until(lambda: server.get("/health").status_code == 503, timeout=5)
+        response = server.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert response.status_code == 503
+        assert "fleet-engine-dp0" in response.json()["error"]["message"]
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert server.proc.wait(timeout=15) != 0
+    server.assert_nothing_left()
+
+
 def test_api_key_and_two_api_servers(tiny_llama_dir, monkeypatch):
     server = launch(str(tiny_llama_dir), "--api-key", "sekrit", "--api-server-count", "2")
     try:
