@@ -100,12 +100,17 @@ class _EngineArgsBase:
         return {f.name: getattr(self, f.name) for f in user_fields(FLAT_GROUPS[name])}
 
 
+def _is_human_int(hint: Any) -> bool:
+    """HumanInt, or HumanInt | None."""
+    candidates = [hint, *typing.get_args(hint)]
+    return any(HumanReadable in getattr(c, "__metadata__", ()) for c in candidates)
+
+
 HUMAN_INT_FIELDS = [
     f.name
     for cls in FLAT_GROUPS.values()
     for f in user_fields(cls)
-    if HumanReadable in getattr(typing.get_type_hints(cls, include_extras=True)[f.name], "__metadata__", ())
-    or any(HumanReadable in getattr(a, "__metadata__", ()) for a in typing.get_args(typing.get_type_hints(cls, include_extras=True)[f.name]))
+    if _is_human_int(typing.get_type_hints(cls, include_extras=True)[f.name])
 ]
 
 EngineArgs = dataclasses.make_dataclass("EngineArgs", _engine_args_fields(), bases=(_EngineArgsBase,))

@@ -130,16 +130,25 @@ class ChildProcess:
         return f"{self.name} (pid {self.pid}) died ({how})"
 
     def stop(self, timeout: float) -> None:
-        """Give it `timeout` seconds to exit on its own (it was asked to), then
-        SIGTERM, then SIGKILL."""
-        for action in (None, self.popen.terminate, self.popen.kill):
-            if action is not None and self.alive():
-                action()
+        stop_all([self], timeout)
+
+
+def stop_all(children: list[ChildProcess], grace: float, terminate_now: bool = False) -> None:
+    """Stop children together under one deadline: `grace` seconds to exit on
+    their own (they were asked to), then SIGTERM, then SIGKILL 2 s later."""
+    for phase_timeout, action in ((0.0 if terminate_now else grace, None), (2.0, "terminate"), (1.0, "kill")):
+        alive = [c for c in children if c.alive()]
+        if not alive:
+            return
+        for child in alive:
+            if action is not None:
+                getattr(child.popen, action)()
+        deadline = time.monotonic() + phase_timeout
+        for child in alive:
             try:
-                self.popen.wait(timeout if action is None else 2.0)
-                return
+                child.popen.wait(max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
-                continue
+                pass
 
 
 class ForeignProcess:

@@ -197,8 +197,7 @@ class EngineClient:
                 self.requests.send_multipart([identity, serial.encode(Shutdown("client shutting down"))], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        for engine in self.engines:
-            engine.stop(timeout)
+        ipc.stop_all(self.engines, timeout)
         self._closed.set()
         if self._output_thread is not None:
             self._output_thread.join()

@@ -92,13 +92,12 @@ class Launcher:
         self.stop_requested = signal.Signals(signum).name
 
     def _stop_all(self, timeout: float) -> None:
-        """SIGTERM everyone at once (API servers drain, engines stop), then wait."""
+        """SIGTERM everyone at once (API servers drain, engines stop), then
+        SIGKILL what is left after `timeout`."""
         for child in self.children:
             if child.alive():
                 child.popen.terminate()
-        deadline = time.monotonic() + timeout
-        for child in self.children:
-            child.stop(max(deadline - time.monotonic(), 0.0))
+        ipc.stop_all(self.children, timeout)
 
 
 def launch(config: FleetConfig) -> int:

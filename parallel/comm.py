@@ -3,7 +3,7 @@
 A GroupCoordinator wraps one torch.distributed process group (gloo on CPU,
 nccl on CUDA); with a single rank every collective returns its input and
 torch.distributed is never touched. Process groups are created elsewhere
-(parallel/groups.py); this module only holds the current tensor-parallel one.
+(parallel/groups.py); this module holds the current tensor- and pipeline-parallel ones.
 """
 from __future__ import annotations
 
@@ -48,7 +48,29 @@ class GroupCoordinator:
         return torch.cat(parts, dim=dim) if parts is not None else None
 
 
+    # ---- pipeline point-to-point ---------------------------------------------------------
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def send_next(self, tensor: torch.Tensor) -> None:
+        """Send to the next rank of the group (the next pipeline stage)."""
+        dist.send(tensor.contiguous(), dst=dist.get_global_rank(self.group, self.rank + 1), group=self.group)
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Receive a tensor of known shape from the previous rank (stage)."""
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src=dist.get_global_rank(self.group, self.rank - 1), group=self.group)
+        return tensor
+
+
 _tp_group = GroupCoordinator()
+_pp_group = GroupCoordinator()
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -59,3 +81,13 @@ def get_tp_group() -> GroupCoordinator:
 def set_tp_group(group: GroupCoordinator) -> None:
     global _tp_group
     _tp_group = group
+
+
+def get_pp_group() -> GroupCoordinator:
+    """The pipeline-parallel group of this worker: rank = its stage (single-stage until set)."""
+    return _pp_group
+
+
+def set_pp_group(group: GroupCoordinator) -> None:
+    global _pp_group
+    _pp_group = group

@@ -37,6 +37,12 @@ def coord_of(config: ParallelConfig, rank: int) -> WorkerCoord:
     return WorkerCoord(dp, pp, tp)
 
 
+def driver_rank(config: ParallelConfig) -> int:
+    """Rank within a replica of the worker that samples and answers the
+    engine: tensor rank 0 of the last pipeline stage."""
+    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+
+
 def parallel_groups(config: ParallelConfig) -> ParallelGroups:
     dps, pps, tps = config.data_parallel_size, config.pipeline_parallel_size, config.tensor_parallel_size
 

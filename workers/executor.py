@@ -83,12 +83,10 @@ class MultiprocExecutor(Executor):
         self.call_ids = itertools.count()
 
     def start(self) -> KVCapacity:
-        if self.config.parallel.replica_size > 1:
-            # Workers do not form torch.distributed groups yet: several would each run the whole model.
-            raise ValueError("tensor and pipeline parallel workers are not available yet: use --tp 1 --pp 1")
+        store = self._host_store() if self.config.parallel.replica_size > 1 else ("", 0)
         handshake = ipc.HandshakeListener(self.ctx)
         try:
-            self._spawn_workers(handshake.address)
+            self._spawn_workers(handshake.address, store)
             ready = handshake.wait_all(self.workers, self.config.parallel.distributed_timeout_seconds)
         finally:
             handshake.close()
@@ -98,7 +96,21 @@ class MultiprocExecutor(Executor):
         self.call("init_kv_cache", [num_blocks])
         return KVCapacity(num_blocks, self.config.cache.block_size)
 
-    def _spawn_workers(self, handshake_address: str) -> None:
+    def _host_store(self) -> tuple[str, int]:
+        """The TCPStore where the workers meet, bound here to port 0 (or
+        --master-port) so no port is probed and then raced for."""
+        from datetime import timedelta
+
+        import torch.distributed as dist  # only replicas of several workers need torch here
+
+        parallel = self.config.parallel
+        self._store = dist.TCPStore(
+            parallel.master_addr, parallel.master_port or 0, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=parallel.distributed_timeout_seconds),
+        )
+        return parallel.master_addr, self._store.port
+
+    def _spawn_workers(self, handshake_address: str, store: tuple[str, int]) -> None:
         from fleet.workers.worker import WorkerStartupInfo
 
         parallel = self.config.parallel
@@ -113,6 +125,8 @@ class MultiprocExecutor(Executor):
                 handshake_address=handshake_address,
                 plan_address=self.plans.getsockopt_string(zmq.LAST_ENDPOINT),
                 result_address=self.results.getsockopt_string(zmq.LAST_ENDPOINT),
+                store_host=store[0],
+                store_port=store[1],
             )
             name = f"fleet-worker-dp{coord.dp}-pp{coord.pp}-tp{coord.tp}"
             self.workers.append(ipc.spawn("fleet.workers.worker", name, info))
@@ -150,11 +164,22 @@ class MultiprocExecutor(Executor):
             if self.results.poll(LIVENESS_POLL_MS):
                 message = self.decoder.decode(self.results.recv())
                 if isinstance(message, WorkerDead):
-                    raise WorkerDied(message.reason)
+                    raise WorkerDied(self._root_cause(message.reason))
                 if message is not None:
                     return message
             else:
                 self._check_alive()
+
+    def _root_cause(self, reason: str) -> str:
+        """A worker that fails in a collective usually lost a peer: name the
+        dead process first (give the kernel a moment to report it)."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            dead = [w for w in self.workers if not w.alive()]
+            if dead:
+                return "; ".join(w.describe_exit() for w in dead) + f"; then {reason[:300]}"
+            time.sleep(0.05)
+        return reason
 
     def _check_alive(self) -> None:
         dead = [w for w in self.workers if not w.alive()]
@@ -166,8 +191,8 @@ class MultiprocExecutor(Executor):
             self.plans.send(serial.encode(Shutdown("engine shutting down")), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-        for worker in self.workers:
-            worker.stop(timeout=5.0)
+        # Workers stuck in a collective with a dead peer never read Shutdown: all get one deadline.
+        ipc.stop_all(self.workers, grace=5.0, terminate_now=any(not w.alive() for w in self.workers))
         self.ctx.destroy(linger=0)
 
 

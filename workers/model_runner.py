@@ -6,6 +6,7 @@ import torch
 from fleet.config.fleet import FleetConfig
 from fleet.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from fleet.kernels.attention import AttentionMetadata
+from fleet.parallel.comm import get_pp_group
 from fleet.workers.input_batch import RequestStates, StepBatch
 from fleet.workers.sampler import SamplingRow, sample, top_logprobs
 
@@ -13,8 +14,10 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 class ModelRunner:
-    def __init__(self, config: FleetConfig, model: torch.nn.Module, device: torch.device):
+    def __init__(self, config: FleetConfig, model: torch.nn.Module, device: torch.device, is_driver: bool = True):
         self.config = config
+        self.is_driver = is_driver
+        self.stage = get_pp_group()
         self.model = model
         self.device = device
         self.dtype = TORCH_DTYPES[config.model.dtype]
@@ -37,18 +40,29 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. Every worker runs it (collectives need all of them);
+        only the driver (tensor rank 0 of the last stage) returns an output."""
         self.states.apply(plan)
         if not plan.num_scheduled_tokens:
-            return ModelRunnerOutput(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(step_id=plan.step_id, request_ids=[], sampled_token_ids=[]) if self.is_driver else None
         batch = self.states.build_batch(plan)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self._attention_metadata(batch))
+        intermediate = None
+        if not self.stage.is_first:
+            shape = (2, len(batch.input_ids), self.model.spec.hidden_size)  # hidden and residual
+            intermediate = self.stage.recv_prev(shape, self.dtype, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self._attention_metadata(batch), intermediate)
+        if not self.stage.is_last:
+            self.stage.send_next(hidden)
+            return None
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampling = [i for i, state in enumerate(batch.requests) if batch.seq_lens_list[i] >= state.num_tokens]
         if not sampling:
-            return ModelRunnerOutput(plan.step_id, [], [], None, prompt_logprobs)
+            return ModelRunnerOutput(plan.step_id, [], [], None, prompt_logprobs) if self.is_driver else None
         last_token_index = batch.query_start_loc[1:][sampling].long() - 1
-        logits = self.model.compute_logits(hidden[last_token_index])
+        logits = self.model.compute_logits(hidden[last_token_index])  # collective over the TP group
+        if not self.is_driver:
+            return None
         rows = [self._sampling_row(batch.requests[i]) for i in sampling]
         sampled, logprobs = sample(logits, rows)
         return ModelRunnerOutput(

@@ -41,6 +41,7 @@ CPU_KV_CACHE_DEFAULT_CAP = 4 * 2**30
 class WorkerStartupInfo(msgspec.Struct):
     config: FleetConfig
     rank: int
+    """Rank within the replica: pp * TP + tp."""
     local_rank: int
     num_local_workers: int
     handshake_address: str
@@ -48,19 +49,26 @@ class WorkerStartupInfo(msgspec.Struct):
     """The engine's broadcast (XPUB) socket."""
     result_address: str
     """The engine's PULL socket; only the driver sends on it."""
+    store_host: str = ""
+    store_port: int = 0
+    """The executor's TCPStore, where the replica's workers meet (several workers only)."""
 
 
 class Worker:
-    def __init__(self, config: FleetConfig, local_rank: int = 0, num_local_workers: int = 1):
+    def __init__(self, config: FleetConfig, rank: int = 0, local_rank: int = 0, num_local_workers: int = 1, store: tuple[str, int] = ("", 0)):
+        from fleet.parallel.dims import driver_rank
+        from fleet.parallel.groups import init_worker_groups
         from fleet.workers.loader import load_model
         from fleet.workers.model_runner import TORCH_DTYPES, ModelRunner
 
         self.config = config
         self.device = _init_device(config, local_rank, num_local_workers)
+        init_worker_groups(config, rank, *store)
         torch.manual_seed(config.model.seed)
         dtype = TORCH_DTYPES[config.model.dtype]
         model = load_model(config.model, config.load, dtype, self.device)
-        self.runner = ModelRunner(config, model, self.device)
+        self.is_driver = rank == driver_rank(config.parallel)
+        self.runner = ModelRunner(config, model, self.device, self.is_driver)
 
     def available_kv_blocks(self) -> int:
         budget = self._kv_cache_budget_bytes()
@@ -88,7 +96,7 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute(plan)
 
     def utility(self, method: str, args: list) -> object:
@@ -117,10 +125,10 @@ def run_worker_process(name: str) -> None:
     info: WorkerStartupInfo = ipc.read_startup_info(WorkerStartupInfo)
     ctx = zmq.Context()
     try:
-        worker = Worker(info.config, info.local_rank, info.num_local_workers)
+        worker = Worker(info.config, info.rank, info.local_rank, info.num_local_workers, (info.store_host, info.store_port))
         plans = ipc.make_socket(ctx, zmq.SUB, connect=info.plan_address)
         plans.setsockopt(zmq.SUBSCRIBE, b"")
-        results = ipc.make_socket(ctx, zmq.PUSH, connect=info.result_address) if info.rank == 0 else None
+        results = ipc.make_socket(ctx, zmq.PUSH, connect=info.result_address) if worker.is_driver else None
         capacity = KVCapacity(worker.available_kv_blocks(), info.config.cache.block_size)
     except Exception as error:  # start-up failures go to the parent, which names us
         logger.exception("%s failed to start", name)
@@ -138,7 +146,7 @@ def _serve(worker: Worker, rank: int, name: str, plans: zmq.Socket, results: zmq
             match message:
                 case SchedulerOutput():
                     output = worker.execute(message)
-                    if results is not None:
+                    if results is not None and output is not None:
                         results.send(serial.encode(output))
                 case WorkerUtilityCall(call_id=call_id, method=method, args=args):
                     result = worker.utility(method, args)

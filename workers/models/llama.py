@@ -17,6 +17,8 @@ from fleet.kernels.activation import silu_and_mul
 from fleet.kernels.attention import AttentionMetadata, paged_attention
 from fleet.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from fleet.kernels.rotary import RotaryEmbedding
+from fleet.parallel.comm import get_pp_group
+from fleet.parallel.groups import stage_layers
 from fleet.parallel.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -131,19 +133,37 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack, or this pipeline stage's part of it: the first stage
+    embeds, the last one normalises; layers keep their global index."""
+
     def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        stage = get_pp_group()
+        if stage.size > spec.num_layers:
+            raise ValueError(f"--pipeline-parallel-size {stage.size} exceeds the model's {spec.num_layers} layers")
+        self.is_first_stage, self.is_last_stage = stage.is_first, stage.is_last
+        self.layer_indices = stage_layers(spec.num_layers, stage.size, stage.rank)
+        if self.is_first_stage or (self.is_last_stage and spec.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(spec, dtype, device) for i in self.layer_indices})
+        if self.is_last_stage:
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.hf_config, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                meta: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: from input_ids; later stages: from `intermediate`
+        ([2, T, hidden]: hidden and residual of the previous stage). Returns
+        the normalised hidden [T, hidden] on the last stage, else the
+        intermediate [2, T, hidden] for the next one."""
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            hidden, residual = intermediate[0], intermediate[1]
+        for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, self.rotary, kv_cache, meta)
+        if not self.is_last_stage:
+            return torch.stack((hidden, residual))
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
 
@@ -157,11 +177,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = self.spec_from_config(hf_config)
         self.model = LlamaModel(self.spec, dtype, device)
-        self.lm_head = ParallelLMHead(self.spec.vocab_size, self.spec.hidden_size, dtype=dtype, device=device)
-        if self.spec.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-        attention = self.model.layers[0].self_attn
-        self.num_layers = self.spec.num_layers
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(self.spec.vocab_size, self.spec.hidden_size, dtype=dtype, device=device)
+            if self.spec.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
+        attention = next(iter(self.model.layers.values())).self_attn
+        self.num_layers = len(self.model.layers)  # of this pipeline stage
         self.num_kv_heads = attention.num_kv_heads
         self.head_dim = attention.head_dim
 
@@ -187,9 +208,10 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: int64 [T] -> hidden [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, attn_meta)
+                attn_meta: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> hidden [T, hidden] (last pipeline
+        stage) or the intermediate [2, T, hidden] for the next stage."""
+        return self.model(input_ids, positions, kv_caches, attn_meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
@@ -204,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in hf_name or (self.spec.tie_word_embeddings and hf_name == "lm_head.weight"):
                 continue
             name, shard_id = _param_name(hf_name)
+            if name not in params and not _stage_owns(self.model, name):
+                continue  # another pipeline stage's weight
             if name not in params:
                 raise ValueError(f"checkpoint weight {hf_name!r} has no parameter in {type(self).__name__}")
             param = params[name]
@@ -212,6 +236,23 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"the checkpoint has no weights for {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+def _stage_owns(model: LlamaModel, name: str) -> bool:
+    """Whether the parameter `name` lives on this pipeline stage."""
+    layer = _layer_index(name)
+    if layer is not None:
+        return layer in model.layer_indices
+    if name.startswith("model.embed_tokens."):
+        return hasattr(model, "embed_tokens")
+    if name.startswith(("model.norm.", "lm_head.")):
+        return model.is_last_stage
+    return True
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] else None
 
 
 def _param_name(hf_name: str) -> tuple[str, Any]:
