@@ -1,5 +1,12 @@
-"""Attention over a paged KV cache: torch-native version (CPU, and the oracle
-for the Triton kernel). Works on any device: nothing here names one.
+"""Attention over a paged KV cache.
+
+Two implementations behind `paged_attention`:
+- on CPU tensors, a fused C++ kernel (`csrc/paged_attention_cpu.cpp`, built on
+  first use by `cpu_extension`) that reads K/V straight from the cache blocks,
+  for every token of the batch in one call;
+- the torch-native version below (any device; the fallback when the kernel
+  cannot be built or does not apply, and the oracle in tests).
+`set_cpu_kernels_enabled(False)` forces the torch-native version.
 
 KV cache of one layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 = keys, 1 = values). Token `pos` of a sequence lives in slot
@@ -8,9 +15,22 @@ KV cache of one layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+from fleet.kernels.cpu_extension import cpu_kernels
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_cpu_kernels_enabled = True
+
+
+def set_cpu_kernels_enabled(enabled: bool) -> None:
+    """Use the fused C++ kernel on CPU tensors (the default), or only the
+    torch-native code: tests flip this to compare the two on the same inputs."""
+    global _cpu_kernels_enabled
+    _cpu_kernels_enabled = enabled
 
 
 @dataclass
@@ -53,6 +73,18 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decode_seqs
+
+    @cached_property
+    def _token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per new token: its sequence, and how many tokens it attends to (its
+        position + 1), both int32 [num_tokens]. Built on first use, once per
+        step: every layer reuses them."""
+        q_lens = torch.tensor(self.query_lens, dtype=torch.int64)
+        s_lens = torch.tensor(self.seq_lens_list, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(len(self.query_lens)), q_lens)
+        kv_lens = token_positions(q_lens, s_lens) + 1
+        device = self.seq_lens.device
+        return seq_index.to(device=device, dtype=torch.int32), kv_lens.to(device=device, dtype=torch.int32)
 
     @classmethod
     def build(
@@ -132,6 +164,14 @@ def paged_attention(
         [T, H, D] in query's dtype.
     """
     write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+    fused = _fused_cpu_ops(query, kv_cache)
+    if fused is not None:
+        # Decodes and prefill chunks alike: each token is a row attending to
+        # the first kv_len tokens of its sequence, all of them in the cache now.
+        if meta.num_decode_seqs == meta.num_seqs:  # decodes only: rows are sequences
+            return fused.paged_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
+        seq_index, kv_lens = meta._token_rows
+        return fused.paged_attention(query, kv_cache, meta.block_tables, kv_lens, scale, seq_index)
     output = torch.empty_like(query)
     num_decodes = meta.num_decode_seqs
     if num_decodes:
@@ -144,6 +184,24 @@ def paged_attention(
         )
         start = end
     return output
+
+
+def _fused_cpu_ops(query: torch.Tensor, kv_cache: torch.Tensor):
+    """`torch.ops.fleet_cpu` when the fused kernel is enabled, built and fit for
+    these tensors (CPU, one dtype, head_dim a multiple of 16 up to 256); else None."""
+    head_dim = query.shape[-1]
+    fits = (
+        _cpu_kernels_enabled
+        and query.device.type == "cpu"
+        and kv_cache.device.type == "cpu"
+        and query.dtype == kv_cache.dtype
+        and query.dtype in _FUSED_DTYPES
+        and head_dim % 16 == 0
+        and head_dim <= 256
+        and query.stride(-1) == 1
+        and kv_cache.is_contiguous()
+    )
+    return cpu_kernels() if fits else None
 
 
 def _decode_attention(

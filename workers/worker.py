@@ -69,6 +69,10 @@ class Worker:
         model = load_model(config.model, config.load, dtype, self.device)
         self.is_driver = rank == driver_rank(config.parallel)
         self.runner = ModelRunner(config, model, self.device, self.is_driver)
+        if self.device.type == "cpu":
+            from fleet.kernels.cpu_extension import cpu_kernels
+
+            cpu_kernels()  # build or load the fused CPU kernels now, not in the first request
 
     def available_kv_blocks(self) -> int:
         budget = self._kv_cache_budget_bytes()
