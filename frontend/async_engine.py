@@ -64,12 +64,21 @@ class AsyncEngine:
         for child in children:
             self.client.add_request(child, engine)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        state = tracked.state
         try:
-            while not tracked.state.output.finished:
-                await tracked.queue.get()
-                yield tracked.state
+            while not state.output.finished:
+                index, update = await tracked.queue.get()
+                # Outputs are folded in here, on the event loop, so a handler never
+                # sees a state that the output thread is half-way through changing.
+                if index is None:
+                    state.fail(update)
+                elif state.apply(index, update):
+                    self.client.abort([children[index].request_id], engine)  # a stop string ended it
+                if state.output.finished:
+                    self.metrics.observe_finished(state.output, time.monotonic() - tracked.arrival)
+                yield state
         finally:
-            unfinished = [c.request_id for c, seq in zip(children, tracked.state.output.outputs) if not seq.finished]
+            unfinished = [c.request_id for c, seq in zip(children, state.output.outputs) if not seq.finished]
             with self._lock:
                 for child in children:
                     self._tracked.pop(child.request_id, None)
@@ -84,7 +93,6 @@ class AsyncEngine:
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()
-        to_abort = []
         if outputs.scheduler_stats is not None:
             self.metrics.observe_scheduler(outputs.scheduler_stats, outputs.engine_index)
         with self._lock:
@@ -94,12 +102,7 @@ class AsyncEngine:
                     continue
                 tracked, index = entry
                 self._observe_timing(tracked, len(output.new_token_ids), now)
-                if tracked.state.apply(index, output):
-                    to_abort.append(output.request_id)
-                if tracked.state.output.finished:
-                    self.metrics.observe_finished(tracked.state.output, now - tracked.arrival)
-                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, None)
-        self.client.abort(to_abort)
+                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, (index, output))
 
     def _observe_timing(self, tracked: _Tracked, num_new: int, now: float) -> None:
         if not num_new:
@@ -114,8 +117,7 @@ class AsyncEngine:
     def _on_death(self, reason: str) -> None:
         with self._lock:
             for tracked, _ in self._tracked.values():
-                tracked.state.fail(reason)
-                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, None)
+                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, (None, reason))
 
     def shutdown(self) -> None:
         self.client.shutdown(timeout=0)
