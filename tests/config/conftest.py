@@ -17,7 +17,7 @@ TINY_CONTEXT = 512
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def llama_config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama config.json with no dtype (so a float32 checkpoint) and a 512-token context."""
     import transformers
 
@@ -37,7 +37,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def moe_config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Mixtral config.json: a mixture-of-experts model (4 experts)."""
     import transformers
 
@@ -59,12 +59,12 @@ def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def model_dir_with(tiny_llama_dir: Path, tmp_path: Path) -> Callable[..., Path]:
+def model_dir_with(llama_config_dir: Path, tmp_path: Path) -> Callable[..., Path]:
     """Factory: a copy of the tiny Llama config.json with some keys changed."""
     counter = iter(range(1000))
 
     def make(**changes: Any) -> Path:
-        config = json.loads((tiny_llama_dir / "config.json").read_text())
+        config = json.loads((llama_config_dir / "config.json").read_text())
         config.update(changes)
         path = tmp_path / f"model-{next(counter)}"
         path.mkdir()

@@ -13,7 +13,7 @@ from fleet.config.model import DEFAULT_MODEL
 from fleet.config.model_files import DEFAULT_MODEL_PACKAGE
 
 TINY_CONTEXT = 512
-"""max_position_embeddings of the tiny_llama_dir fixture (conftest.py)."""
+"""max_position_embeddings of the llama_config_dir fixture (conftest.py)."""
 
 
 def create(model, **fields) -> FleetConfig:
@@ -23,28 +23,28 @@ def create(model, **fields) -> FleetConfig:
 # ---------------------------------------------------------------- model
 
 
-def test_model_facts_come_from_config_json(tiny_llama_dir):
-    model = create(tiny_llama_dir).model
+def test_model_facts_come_from_config_json(llama_config_dir):
+    model = create(llama_config_dir).model
     assert model.architecture == "LlamaForCausalLM"
-    assert model.model_path == model.tokenizer_path == str(tiny_llama_dir)
+    assert model.model_path == model.tokenizer_path == str(llama_config_dir)
     assert model.hf_config["num_hidden_layers"] == 2
     assert model.is_moe is False and model.is_gguf is False
 
 
-def test_max_model_len_defaults_to_the_models_context(tiny_llama_dir):
-    assert json.loads((tiny_llama_dir / "config.json").read_text())["max_position_embeddings"] == TINY_CONTEXT
-    assert create(tiny_llama_dir).model.max_model_len == TINY_CONTEXT
+def test_max_model_len_defaults_to_the_models_context(llama_config_dir):
+    assert json.loads((llama_config_dir / "config.json").read_text())["max_position_embeddings"] == TINY_CONTEXT
+    assert create(llama_config_dir).model.max_model_len == TINY_CONTEXT
 
 
 @pytest.mark.parametrize("requested", [1, 256, TINY_CONTEXT])
-def test_max_model_len_up_to_the_models_context(tiny_llama_dir, requested):
-    assert create(tiny_llama_dir, max_model_len=requested).model.max_model_len == requested
+def test_max_model_len_up_to_the_models_context(llama_config_dir, requested):
+    assert create(llama_config_dir, max_model_len=requested).model.max_model_len == requested
 
 
 @pytest.mark.parametrize("requested", [TINY_CONTEXT + 1, 1_000_000, 0])
-def test_max_model_len_beyond_the_models_context_is_an_error(tiny_llama_dir, requested):
+def test_max_model_len_beyond_the_models_context_is_an_error(llama_config_dir, requested):
     with pytest.raises(ValueError) as error:
-        create(tiny_llama_dir, max_model_len=requested)
+        create(llama_config_dir, max_model_len=requested)
     assert "--max-model-len" in str(error.value) and str(TINY_CONTEXT) in str(error.value)
 
 
@@ -68,9 +68,9 @@ def test_auto_dtype_reads_the_old_torch_dtype_key(model_dir_with):
     assert create(model_dir_with(torch_dtype="bfloat16")).model.dtype == "bfloat16"
 
 
-def test_float32_checkpoint_resolves_to_float32(tiny_llama_dir):
-    assert "dtype" not in json.loads((tiny_llama_dir / "config.json").read_text())
-    assert create(tiny_llama_dir).model.dtype == "float32"
+def test_float32_checkpoint_resolves_to_float32(llama_config_dir):
+    assert "dtype" not in json.loads((llama_config_dir / "config.json").read_text())
+    assert create(llama_config_dir).model.dtype == "float32"
 
 
 def test_float16_checkpoint_stays_float16_on_cuda(model_dir_with):
@@ -78,23 +78,23 @@ def test_float16_checkpoint_stays_float16_on_cuda(model_dir_with):
     assert config.model.dtype == "float16"
 
 
-def test_explicit_dtype_wins(tiny_llama_dir):
-    assert create(tiny_llama_dir, dtype="bfloat16").model.dtype == "bfloat16"
+def test_explicit_dtype_wins(llama_config_dir):
+    assert create(llama_config_dir, dtype="bfloat16").model.dtype == "bfloat16"
 
 
-def test_float16_on_cpu_is_an_error(tiny_llama_dir):
+def test_float16_on_cpu_is_an_error(llama_config_dir):
     with pytest.raises(ValueError, match="--dtype"):
-        create(tiny_llama_dir, dtype="float16")
+        create(llama_config_dir, dtype="float16")
 
 
-def test_served_model_name_defaults_to_the_model_argument(tiny_llama_dir):
-    assert create(tiny_llama_dir).model.served_model_name == [str(tiny_llama_dir)]
-    assert create(tiny_llama_dir, served_model_name=["a", "b"]).model.served_model_name == ["a", "b"]
+def test_served_model_name_defaults_to_the_model_argument(llama_config_dir):
+    assert create(llama_config_dir).model.served_model_name == [str(llama_config_dir)]
+    assert create(llama_config_dir, served_model_name=["a", "b"]).model.served_model_name == ["a", "b"]
 
 
-def test_tokenizer_defaults_to_the_model_and_can_be_set(tiny_llama_dir, tiny_moe_dir):
-    config = create(tiny_llama_dir, tokenizer=str(tiny_moe_dir))
-    assert config.model.tokenizer_path == str(tiny_moe_dir)
+def test_tokenizer_defaults_to_the_model_and_can_be_set(llama_config_dir, moe_config_dir):
+    config = create(llama_config_dir, tokenizer=str(moe_config_dir))
+    assert config.model.tokenizer_path == str(moe_config_dir)
 
 
 def test_a_directory_without_config_json_is_an_error(tmp_path):
@@ -107,22 +107,22 @@ def test_a_config_without_architectures_is_an_error(model_dir_with):
         create(model_dir_with(architectures=[]))
 
 
-def test_moe_model_is_recognised(tiny_moe_dir):
-    config = create(tiny_moe_dir)
+def test_moe_model_is_recognised(moe_config_dir):
+    config = create(moe_config_dir)
     assert config.model.is_moe is True and config.parallel.is_moe is True
     assert config.model.architecture == "MixtralForCausalLM"
 
 
-def test_external_lb_needs_a_moe_model(tiny_llama_dir, tiny_moe_dir):
+def test_external_lb_needs_a_moe_model(llama_config_dir, moe_config_dir):
     fields = {"data_parallel_size": 2, "data_parallel_rank": 1}
-    config = create(tiny_moe_dir, **fields)
+    config = create(moe_config_dir, **fields)
     assert config.parallel.data_parallel_external_lb is True and config.parallel.data_parallel_rank == 1
     with pytest.raises(ValueError, match="--data-parallel-rank"):
-        create(tiny_llama_dir, **fields)
+        create(llama_config_dir, **fields)
 
 
-def test_model_summary_has_no_hf_config(tiny_llama_dir):
-    summary = create(tiny_llama_dir).model.summary()
+def test_model_summary_has_no_hf_config(llama_config_dir):
+    summary = create(llama_config_dir).model.summary()
     assert "hf_config" not in summary
     assert summary["num_hidden_layers"] == 2 and summary["hidden_size"] == 64 and summary["is_moe"] is False
 
@@ -130,21 +130,21 @@ def test_model_summary_has_no_hf_config(tiny_llama_dir):
 # ---------------------------------------------------------------- scheduler, cache, load, frontend
 
 
-def test_scheduler_defaults_on_cpu(tiny_llama_dir):
-    scheduler = create(tiny_llama_dir).scheduler
+def test_scheduler_defaults_on_cpu(llama_config_dir):
+    scheduler = create(llama_config_dir).scheduler
     assert scheduler.max_num_batched_tokens == 2048
     assert scheduler.max_num_seqs == 128
     assert scheduler.enable_chunked_prefill is True
     assert scheduler.scheduling_policy == "fcfs"
 
 
-def test_scheduler_defaults_on_cuda(tiny_llama_dir):
-    scheduler = EngineArgs(model=str(tiny_llama_dir), device="cuda").create_config().scheduler
+def test_scheduler_defaults_on_cuda(llama_config_dir):
+    scheduler = EngineArgs(model=str(llama_config_dir), device="cuda").create_config().scheduler
     assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (8192, 256)
 
 
-def test_scheduler_limits_set_by_the_user_are_kept(tiny_llama_dir):
-    scheduler = create(tiny_llama_dir, max_num_batched_tokens=300, max_num_seqs=4).scheduler
+def test_scheduler_limits_set_by_the_user_are_kept(llama_config_dir):
+    scheduler = create(llama_config_dir, max_num_batched_tokens=300, max_num_seqs=4).scheduler
     assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (300, 4)
 
 
@@ -156,9 +156,9 @@ def test_without_chunked_prefill_a_step_holds_a_whole_prompt(model_dir_with):
     assert create(path, enable_chunked_prefill=False, max_model_len=1000).scheduler.max_num_batched_tokens == 2048
 
 
-def test_without_chunked_prefill_a_small_token_budget_is_an_error(tiny_llama_dir):
+def test_without_chunked_prefill_a_small_token_budget_is_an_error(llama_config_dir):
     with pytest.raises(ValueError) as error:
-        create(tiny_llama_dir, enable_chunked_prefill=False, max_num_batched_tokens=256)
+        create(llama_config_dir, enable_chunked_prefill=False, max_num_batched_tokens=256)
     assert "--max-num-batched-tokens" in str(error.value) and "--max-model-len" in str(error.value)
 
 
@@ -172,53 +172,53 @@ def test_without_chunked_prefill_a_small_token_budget_is_an_error(tiny_llama_dir
         ),
     ],
 )
-def test_scheduler_limits_below_one_are_an_error(tiny_llama_dir, fields):
+def test_scheduler_limits_below_one_are_an_error(llama_config_dir, fields):
     with pytest.raises(ValueError, match="--max-num-seqs"):
-        create(tiny_llama_dir, **fields)
+        create(llama_config_dir, **fields)
 
 
-def test_cache_defaults(tiny_llama_dir):
-    cache = create(tiny_llama_dir).cache
+def test_cache_defaults(llama_config_dir):
+    cache = create(llama_config_dir).cache
     assert cache.enable_prefix_caching is True and cache.block_size == 16
-    assert create(tiny_llama_dir, enable_prefix_caching=False).cache.enable_prefix_caching is False
+    assert create(llama_config_dir, enable_prefix_caching=False).cache.enable_prefix_caching is False
 
 
-def test_block_size_below_one_is_an_error(tiny_llama_dir):
+def test_block_size_below_one_is_an_error(llama_config_dir):
     with pytest.raises(ValueError, match="--block-size"):
-        create(tiny_llama_dir, block_size=0)
+        create(llama_config_dir, block_size=0)
 
 
-def test_load_format_is_detected(tiny_llama_dir):
-    assert create(tiny_llama_dir).load.load_format == "safetensors"
-    assert create(tiny_llama_dir, load_format="dummy").load.load_format == "dummy"
+def test_load_format_is_detected(llama_config_dir):
+    assert create(llama_config_dir).load.load_format == "safetensors"
+    assert create(llama_config_dir, load_format="dummy").load.load_format == "dummy"
     with pytest.raises(ValueError, match="--load-format"):
-        create(tiny_llama_dir, load_format="gguf")
+        create(llama_config_dir, load_format="gguf")
 
 
-def test_api_key_defaults_to_the_environment(tiny_llama_dir, monkeypatch):
+def test_api_key_defaults_to_the_environment(llama_config_dir, monkeypatch):
     monkeypatch.delenv("FLEET_API_KEY", raising=False)
-    assert create(tiny_llama_dir).frontend.api_key is None
+    assert create(llama_config_dir).frontend.api_key is None
     monkeypatch.setenv("FLEET_API_KEY", "from-env")
-    assert create(tiny_llama_dir).frontend.api_key == "from-env"
-    assert create(tiny_llama_dir, api_key="flag").frontend.api_key == "flag"
+    assert create(llama_config_dir).frontend.api_key == "from-env"
+    assert create(llama_config_dir, api_key="flag").frontend.api_key == "flag"
 
 
-def test_api_server_count_below_one_is_an_error(tiny_llama_dir):
+def test_api_server_count_below_one_is_an_error(llama_config_dir):
     with pytest.raises(ValueError, match="--api-server-count"):
-        create(tiny_llama_dir, api_server_count=0)
+        create(llama_config_dir, api_server_count=0)
 
 
-def test_parallel_errors_surface_from_create_config(tiny_llama_dir):
+def test_parallel_errors_surface_from_create_config(llama_config_dir):
     with pytest.raises(ValueError, match="--nnodes"):
-        create(tiny_llama_dir, data_parallel_size=3, nnodes=2)
+        create(llama_config_dir, data_parallel_size=3, nnodes=2)
 
 
 # ---------------------------------------------------------------- FleetConfig
 
 
-def test_fleet_config_round_trips_through_msgspec(tiny_llama_dir):
+def test_fleet_config_round_trips_through_msgspec(llama_config_dir):
     config = create(
-        tiny_llama_dir,
+        llama_config_dir,
         tensor_parallel_size=2,
         data_parallel_size=2,
         served_model_name=["x"],
@@ -227,16 +227,16 @@ def test_fleet_config_round_trips_through_msgspec(tiny_llama_dir):
     assert FleetConfig.decode(config.encode()) == config
 
 
-def test_fleet_config_is_frozen(tiny_llama_dir):
-    config = create(tiny_llama_dir)
+def test_fleet_config_is_frozen(llama_config_dir):
+    config = create(llama_config_dir)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.model = config.model  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.parallel.tensor_parallel_size = 2  # type: ignore[misc]
 
 
-def test_create_config_does_not_change_the_engine_args(tiny_llama_dir):
-    args = EngineArgs(model=str(tiny_llama_dir), device="cpu", data_parallel_size=2)
+def test_create_config_does_not_change_the_engine_args(llama_config_dir):
+    args = EngineArgs(model=str(llama_config_dir), device="cpu", data_parallel_size=2)
     before = dataclasses.replace(args)
     args.create_config()
     assert args == before

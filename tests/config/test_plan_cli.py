@@ -41,8 +41,8 @@ def of_kind(plan: dict[str, Any], kind: str) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- through a real subprocess
 
 
-def test_plan_subprocess_tp2_dp2(tiny_llama_dir):
-    result = fleet("plan", str(tiny_llama_dir), "--tp", "2", "--dp", "2", "--device", "cpu")
+def test_plan_subprocess_tp2_dp2(llama_config_dir):
+    result = fleet("plan", str(llama_config_dir), "--tp", "2", "--dp", "2", "--device", "cpu")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert PLAN_KEYS <= plan.keys()
@@ -75,9 +75,9 @@ def test_plan_subprocess_tp2_dp2(tiny_llama_dir):
     assert plan["cache"]["enable_prefix_caching"] is True
 
 
-def test_plan_subprocess_headless_node(tiny_llama_dir):
+def test_plan_subprocess_headless_node(llama_config_dir):
     result = fleet(
-        "plan", str(tiny_llama_dir), "-dp", "2", "-tp", "2", "-n", "2", "-r", "1",
+        "plan", str(llama_config_dir), "-dp", "2", "-tp", "2", "-n", "2", "-r", "1",
         "--master-addr", "10.0.0.1", "--master-port", "29500", "--device", "cpu",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -91,9 +91,9 @@ def test_plan_subprocess_headless_node(tiny_llama_dir):
     assert plan["addresses"]["torch_distributed"] == "tcp://10.0.0.1:29500"
 
 
-def test_plan_subprocess_bad_combination_exits_2_with_one_line(tiny_llama_dir):
+def test_plan_subprocess_bad_combination_exits_2_with_one_line(llama_config_dir):
     result = fleet(
-        "plan", str(tiny_llama_dir), "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--device", "cpu"
+        "plan", str(llama_config_dir), "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--device", "cpu"
     )
     assert result.returncode == 2
     assert result.stdout == ""
@@ -105,15 +105,15 @@ def test_plan_subprocess_bad_combination_exits_2_with_one_line(tiny_llama_dir):
 # ---------------------------------------------------------------- main() in process
 
 
-def test_main_plan_prints_json(tiny_llama_dir, capsys):
-    assert main(["plan", str(tiny_llama_dir), "--device", "cpu", "--api-server-count", "2"]) == 0
+def test_main_plan_prints_json(llama_config_dir, capsys):
+    assert main(["plan", str(llama_config_dir), "--device", "cpu", "--api-server-count", "2"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert kinds(plan) == {"api_server": 2, "engine_core": 1, "worker": 1}
 
 
-def test_main_plan_resolution_error_exits_2(tiny_llama_dir, capsys):
+def test_main_plan_resolution_error_exits_2(llama_config_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["plan", str(tiny_llama_dir), "--dp", "3", "-n", "2", "--device", "cpu"])
+        main(["plan", str(llama_config_dir), "--dp", "3", "-n", "2", "--device", "cpu"])
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
@@ -134,44 +134,44 @@ def test_main_without_a_command_prints_usage(capsys):
 # ---------------------------------------------------------------- node_plan for layouts
 
 
-def test_one_replica_has_no_coordinator_and_uses_ipc(tiny_llama_dir):
-    plan = plan_of(tiny_llama_dir)
+def test_one_replica_has_no_coordinator_and_uses_ipc(llama_config_dir):
+    plan = plan_of(llama_config_dir)
     assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 1}
     assert plan["addresses"]["engines"] == "ipc"
     assert plan["addresses"]["torch_distributed"] == "tcp://127.0.0.1:bound at start-up"
     assert plan["addresses"]["backend"] == "gloo"
 
 
-def test_api_servers_are_numbered(tiny_llama_dir):
-    servers = of_kind(plan_of(tiny_llama_dir, api_server_count=3, port=9000), "api_server")
+def test_api_servers_are_numbered(llama_config_dir):
+    servers = of_kind(plan_of(llama_config_dir, api_server_count=3, port=9000), "api_server")
     assert [(s["index"], s["name"]) for s in servers] == [(0, "fleet-api-0"), (1, "fleet-api-1"), (2, "fleet-api-2")]
     assert all(s["url"] == "http://127.0.0.1:9000" for s in servers)
 
 
-def test_process_names(tiny_llama_dir):
-    plan = plan_of(tiny_llama_dir, tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)
+def test_process_names(llama_config_dir):
+    plan = plan_of(llama_config_dir, tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)
     names = [p["name"] for p in plan["processes"]]
     assert names[:4] == ["fleet-api-0", "fleet-dp-coordinator", "fleet-engine-dp0", "fleet-engine-dp1"]
     assert "fleet-worker-dp1-pp1-tp0" in names
     assert len(of_kind(plan, "worker")) == 8
 
 
-def test_node_zero_of_a_split_replica(tiny_llama_dir):
-    plan = plan_of(tiny_llama_dir, tensor_parallel_size=4, nnodes=2, node_rank=0)
+def test_node_zero_of_a_split_replica(llama_config_dir):
+    plan = plan_of(llama_config_dir, tensor_parallel_size=4, nnodes=2, node_rank=0)
     assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 2}
     assert of_kind(plan, "engine_core")[0]["workers"] == [0, 1, 2, 3]
     assert plan["addresses"]["engines"].startswith("tcp://")
 
 
-def test_node_one_of_a_split_replica_runs_workers_only(tiny_llama_dir):
-    plan = plan_of(tiny_llama_dir, tensor_parallel_size=4, nnodes=2, node_rank=1)
+def test_node_one_of_a_split_replica_runs_workers_only(llama_config_dir):
+    plan = plan_of(llama_config_dir, tensor_parallel_size=4, nnodes=2, node_rank=1)
     assert kinds(plan) == {"worker": 2}
     assert [(w["rank"], w["local_rank"], w["tp_rank"]) for w in of_kind(plan, "worker")] == [(2, 0, 2), (3, 1, 3)]
 
 
-def test_hybrid_node_serves_http_for_its_own_replicas(tiny_llama_dir):
+def test_hybrid_node_serves_http_for_its_own_replicas(llama_config_dir):
     plan = plan_of(
-        tiny_llama_dir, data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2, nnodes=2,
+        llama_config_dir, data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2, nnodes=2,
         node_rank=1, master_addr="10.0.0.1",
     )  # fmt: skip
     assert plan["parallel"]["data_parallel_hybrid_lb"] is True
@@ -179,8 +179,8 @@ def test_hybrid_node_serves_http_for_its_own_replicas(tiny_llama_dir):
     assert [e["dp_rank"] for e in of_kind(plan, "engine_core")] == [2, 3]
 
 
-def test_external_launch_runs_one_replica(tiny_moe_dir):
-    plan = plan_of(tiny_moe_dir, data_parallel_size=4, data_parallel_rank=3, enable_expert_parallel=True)
+def test_external_launch_runs_one_replica(moe_config_dir):
+    plan = plan_of(moe_config_dir, data_parallel_size=4, data_parallel_rank=3, enable_expert_parallel=True)
     assert plan["parallel"]["data_parallel_external_lb"] is True
     assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 1}
     assert of_kind(plan, "engine_core")[0]["dp_rank"] == 3
@@ -188,19 +188,19 @@ def test_external_launch_runs_one_replica(tiny_moe_dir):
     assert plan["model"]["is_moe"] is True
 
 
-def test_external_rank_zero_runs_the_coordinator(tiny_moe_dir):
-    plan = plan_of(tiny_moe_dir, data_parallel_size=2, data_parallel_rank=0)
+def test_external_rank_zero_runs_the_coordinator(moe_config_dir):
+    plan = plan_of(moe_config_dir, data_parallel_size=2, data_parallel_rank=0)
     assert kinds(plan) == {"api_server": 1, "dp_coordinator": 1, "engine_core": 1, "worker": 1}
 
 
-def test_cuda_workers_get_local_devices(tiny_llama_dir):
-    plan = plan_of(tiny_llama_dir, device="cuda", tensor_parallel_size=2, data_parallel_size=2, nnodes=2, node_rank=1)
+def test_cuda_workers_get_local_devices(llama_config_dir):
+    plan = plan_of(llama_config_dir, device="cuda", tensor_parallel_size=2, data_parallel_size=2, nnodes=2, node_rank=1)
     assert [w["device"] for w in of_kind(plan, "worker")] == ["cuda:0", "cuda:1"]
     assert plan["addresses"]["backend"] == "nccl"
 
 
-def test_plan_hides_the_api_key(tiny_llama_dir):
-    plan = plan_of(tiny_llama_dir, api_key="secret")
+def test_plan_hides_the_api_key(llama_config_dir):
+    plan = plan_of(llama_config_dir, api_key="secret")
     assert "api_key" not in plan["frontend"]
     assert "secret" not in json.dumps(plan)
 
