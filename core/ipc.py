@@ -129,10 +129,6 @@ class ChildProcess:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         return f"{self.name} (pid {self.pid}) died ({how})"
 
-    def stop(self, timeout: float) -> None:
-        stop_all([self], timeout)
-
-
 def stop_all(children: list[ChildProcess], grace: float, terminate_now: bool = False) -> None:
     """Stop children together under one deadline: `grace` seconds to exit on
     their own (they were asked to), then SIGTERM, then SIGKILL 2 s later."""

@@ -2,6 +2,7 @@
 (or server-sent event stream) out. Routes and errors live in api_server.py."""
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ class Serving:
     # ---- completions --------------------------------------------------------------------------
 
     async def completion(self, request: CompletionRequest, prepared: list[Prepared]) -> dict:
-        outputs = [await self.run_to_end(p, request.priority) for p in prepared]
+        outputs = await asyncio.gather(*(self.run_to_end(p, request.priority) for p in prepared))
         choices = []
         for prompt_index, output in enumerate(outputs):
             for sequence in output.outputs:

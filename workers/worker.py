@@ -106,8 +106,6 @@ class Worker:
     def utility(self, method: str, args: list) -> object:
         if method == "init_kv_cache":
             return self.init_kv_cache(*args)
-        if method == "ping":
-            return os.getpid()
         raise ValueError(f"unknown worker utility {method!r}")
 
 

@@ -58,6 +58,16 @@ def test_greedy_completion_equals_offline_llm(server, client, offline, tiny_llam
     assert response.choices[0].finish_reason == "length"
 
 
+def test_several_prompts_in_one_request(server, client):
+    name = model_name(server)
+    prompts = [PROMPT, "another prompt"]
+    both = client.completions.create(model=name, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert sorted(c.index for c in both.choices) == [0, 1, 2, 3]
+    for index, prompt in enumerate(prompts):
+        alone = client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+        assert [c.text for c in both.choices if c.index // 2 == index] == [alone, alone]
+
+
 def test_streaming_completion_concatenates_to_the_full_text(server, client):
     kwargs = dict(model=model_name(server), prompt=PROMPT, max_tokens=20, temperature=0)
     full = client.completions.create(**kwargs).choices[0].text
