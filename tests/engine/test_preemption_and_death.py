@@ -54,3 +54,13 @@ def test_worker_sigkill_fails_generate_and_leaves_nothing(tiny_llama_dir):
     assert "fleet-worker-dp0-pp0-tp0" in str(errors["error"])
     llm.shutdown()
     assert_no_fleet_processes()
+
+
+def test_uni_executor_runs_the_worker_inside_the_engine_process(tiny_llama_dir):
+    model = hf_model(str(tiny_llama_dir))
+    with fleet.LLM(str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes="2M", distributed_executor_backend="uni") as llm:
+        assert not [p for p in psutil.Process().children(recursive=True) if "fleet-worker" in " ".join(p.cmdline())]
+        prompts = random_prompts(4, model.config.vocab_size, seed=11)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, p, 6) for p in prompts]
+    assert_no_fleet_processes()
