@@ -33,6 +33,21 @@ def set_cpu_kernels_enabled(enabled: bool) -> None:
     _cpu_kernels_enabled = enabled
 
 
+def elementwise_cpu_ops(x: torch.Tensor, *others: torch.Tensor):
+    """`torch.ops.fleet_cpu` for the fused elementwise kernels (rms_norm,
+    fused_add_rms_norm, silu_and_mul) when enabled, built and fit for these
+    tensors (CPU, one supported dtype, contiguous last dim, no autograd); else None."""
+    tensors = (x, *others)
+    fits = (
+        _cpu_kernels_enabled
+        and x.dtype in _FUSED_DTYPES
+        and all(t.device.type == "cpu" and t.dtype == x.dtype and t.dim() >= 1 and t.stride(-1) == 1
+                for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    )
+    return cpu_kernels() if fits else None
+
+
 @dataclass
 class AttentionMetadata:
     """Where the tokens of one forward pass live in the paged KV cache.

@@ -1,7 +1,11 @@
-"""RMSNorm: torch-native version (CPU, and the oracle for the Triton kernel)."""
+"""RMSNorm: torch-native version (the oracle for the Triton kernel), and on CPU
+tensors the fused C++ kernels (kernels/csrc/elementwise_cpu.cpp, same numerics)
+unless `attention.set_cpu_kernels_enabled(False)`."""
 from __future__ import annotations
 
 import torch
+
+from fleet.kernels.attention import elementwise_cpu_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -10,6 +14,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Statistics in float32 whatever x's dtype (as HF Llama does), so bf16 runs
     stay close to the float32 oracle.
     """
+    ops = elementwise_cpu_ops(x, weight)
+    if ops is not None:
+        return ops.rms_norm(x, weight, eps)
     x32 = x.float()
     variance = x32.pow(2).mean(-1, keepdim=True)
     return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
@@ -20,7 +27,11 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add the residual, then normalise: returns (normed, new_residual).
 
-    The sum is taken in x's dtype, as HF's decoder layers do.
+    The sum is taken in x's dtype, as HF's decoder layers do. Neither input is
+    modified: new_residual is a new tensor.
     """
+    ops = elementwise_cpu_ops(x, residual, weight)
+    if ops is not None and x.shape == residual.shape:
+        return ops.fused_add_rms_norm(x, residual, weight, eps)
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
