@@ -96,7 +96,7 @@ def _load() -> None:
 def _fingerprint() -> str:
     """Digest of everything the built library depends on."""
     digest = hashlib.sha256()
-    for source in _SOURCES:
+    for source in [*_SOURCES, *sorted(_SOURCES[0].parent.glob("*.h"))]:
         digest.update(source.read_bytes())
     parts = [*_CFLAGS, *_LDFLAGS, torch.__version__, platform.python_version(), platform.machine(), _cpu_flags()]
     digest.update("\0".join(parts).encode())

@@ -31,6 +31,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+#include "simd_exp.h"
 #define FLEET_EW_AVX512 1
 #endif
 
@@ -87,24 +88,6 @@ FLEET_EW_INLINE __m512 round_to(__m512 v) {
   }
 }
 
-// e^x for any x (clamped to fp32's finite range): Cephes' expf polynomial on
-// the reduced argument, 2^n applied with scalef. Max error ~2 ulp.
-FLEET_EW_INLINE __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // out = T(w * T(x * inv)) over one row.
 template <typename T>
 FLEET_EW_INLINE void scale_row(T* out, const T* x, const T* w, float inv, int64_t D) {
@@ -154,7 +137,7 @@ void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t I) {
     __m512 g = load16(gate + c, m);
     // A true divide, as torch's silu: rcp14 + a Newton step measured no faster at 2 threads, and
     // with the fused norm its extra rounding error compounded to 3e-3 in fp32 logits (tests/models/test_gguf.py).
-    const __m512 d = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    const __m512 d = _mm512_add_ps(one, fleet_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
     const __m512 s = round_to<T>(_mm512_div_ps(g, d));
     store16(out + c, _mm512_mul_ps(s, load16(up + c, m)), m);
   }

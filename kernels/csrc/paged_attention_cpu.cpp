@@ -40,6 +40,7 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include "simd_exp.h"
 #define FLEET_AVX512 1
 #endif
 
@@ -115,24 +116,6 @@ FLEET_INLINE __m512 dots16_bf16(const at::BFloat16* q, const at::BFloat16* const
   return hsum16(acc);
 }
 #endif
-
-// e^x for x <= 0 (scores minus their running max): Cephes' expf polynomial on
-// the reduced argument, 2^n applied with scalef. Max error ~2 ulp.
-FLEET_INLINE __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // e^-87 ~ 1.6e-38: still a normal float
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // acc[g][c0, c0 + 16 NC) += sum_j p[g][j] * v_j[c0, c0 + 16 NC) for NG heads.
 // The NG x NC accumulators stay in registers across the tile, and are
@@ -213,7 +196,7 @@ FLEET_INLINE float exp_shifted_sum(float* x, int64_t n, float shift) {
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
-    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + j), s));
+    __m512 e = fleet_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + j), s));
     _mm512_mask_storeu_ps(x + j, m, e);
     sum = _mm512_mask_add_ps(sum, m, sum, e);
   }

@@ -3,30 +3,14 @@ a dense float64 reference. Skipped where the kernel cannot be built."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from fleet.kernels import attention
 from fleet.kernels.attention import AttentionMetadata, paged_attention, set_cpu_kernels_enabled
-from fleet.kernels.cpu_extension import cpu_kernels
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
-
-
-@pytest.fixture(scope="module")
-def ops():
-    built = cpu_kernels()
-    if built is None:
-        pytest.skip("the CPU kernel extension cannot be built here")
-    return built
-
-
-@pytest.fixture(autouse=True)
-def _kernels_enabled_afterwards() -> Iterator[None]:
-    yield
-    set_cpu_kernels_enabled(True)
 
 
 class PagedCache:

@@ -3,34 +3,17 @@ silu_and_mul) against the torch-native code they replace. Skipped where the
 kernels cannot be built."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from fleet.kernels.activation import silu_and_mul
 from fleet.kernels.attention import set_cpu_kernels_enabled
-from fleet.kernels.cpu_extension import cpu_kernels
 from fleet.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = list(TOLERANCE)
 # Row lengths: a multiple of 32, of 16 only, and ragged (masked tails).
 SHAPES = [(7, 576), (33, 80), (5, 100), (1, 3), (0, 64)]
-
-
-@pytest.fixture(scope="module")
-def ops():
-    built = cpu_kernels()
-    if built is None:
-        pytest.skip("the CPU kernel extension cannot be built here")
-    return built
-
-
-@pytest.fixture(autouse=True)
-def _kernels_enabled_afterwards() -> Iterator[None]:
-    yield
-    set_cpu_kernels_enabled(True)
 
 
 def _torch(fn, *args):
