@@ -82,10 +82,16 @@ class ParallelConfig:
             return 1
         return self.data_parallel_size * self.tensor_parallel_size
 
+    @property
+    def replicas_step_together(self) -> bool:
+        """Whether the data-parallel replicas form one world and step in
+        lock-step: expert-parallel collectives of a MoE model span them."""
+        return self.is_moe and self.enable_expert_parallel and self.data_parallel_size > 1
+
     def as_dict(self) -> dict:
         """Every field plus the derived sizes, as plain data (for `fleet plan`)."""
         data = dataclasses.asdict(self)
-        for name in ("world_size", "world_size_local", "replica_size", "expert_parallel_size"):
+        for name in ("world_size", "world_size_local", "replica_size", "expert_parallel_size", "replicas_step_together"):
             data[name] = getattr(self, name)
         return data
 

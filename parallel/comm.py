@@ -3,7 +3,8 @@
 A GroupCoordinator wraps one torch.distributed process group (gloo on CPU,
 nccl on CUDA); with a single rank every collective returns its input and
 torch.distributed is never touched. Process groups are created elsewhere
-(parallel/groups.py); this module holds the current tensor- and pipeline-parallel ones.
+(parallel/groups.py); this module holds the current tensor-, pipeline-, expert- and
+data-parallel ones.
 """
 from __future__ import annotations
 
@@ -71,6 +72,8 @@ class GroupCoordinator:
 
 _tp_group = GroupCoordinator()
 _pp_group = GroupCoordinator()
+_ep_group = GroupCoordinator()
+_dp_group = GroupCoordinator()
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -91,3 +94,25 @@ def get_pp_group() -> GroupCoordinator:
 def set_pp_group(group: GroupCoordinator) -> None:
     global _pp_group
     _pp_group = group
+
+
+def get_ep_group() -> GroupCoordinator:
+    """The expert-parallel group of this worker: every DP x TP rank of its
+    pipeline stage (single-rank until set, and when expert parallel is off)."""
+    return _ep_group
+
+
+def set_ep_group(group: GroupCoordinator) -> None:
+    global _ep_group
+    _ep_group = group
+
+
+def get_dp_group() -> GroupCoordinator:
+    """The same (pipeline, tensor) position in every data-parallel replica;
+    spans processes only when replicas step together (expert parallel)."""
+    return _dp_group
+
+
+def set_dp_group(group: GroupCoordinator) -> None:
+    global _dp_group
+    _dp_group = group

@@ -1,9 +1,12 @@
 """torch.distributed initialisation of one worker, and its parallel groups.
 
-Every worker of a replica joins one process group (gloo on CPU, nccl on
-CUDA) through a TCPStore that the executor hosts; then all of them create
-every tensor- and pipeline-parallel group in the same order (new_group is
-collective) and keep the ones they belong to.
+Replicas that step independently each have their own world: the workers of
+one replica join a process group (gloo on CPU, nccl on CUDA) through a
+TCPStore that their executor hosts. When replicas step together (expert
+parallel across data-parallel ranks) every worker of the job joins one
+world through the TCPStore at --master-addr/--master-port, hosted by the DP
+coordinator. Either way all members create every group in the same order
+(new_group is collective) and keep the ones they belong to.
 """
 from __future__ import annotations
 
@@ -13,23 +16,31 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from fleet.config.fleet import FleetConfig
-from fleet.parallel.comm import GroupCoordinator, set_pp_group, set_tp_group
+from fleet.parallel.comm import GroupCoordinator, set_dp_group, set_ep_group, set_pp_group, set_tp_group
 from fleet.parallel.dims import parallel_groups
 
 
-def init_worker_groups(config: FleetConfig, rank: int, store_host: str, store_port: int) -> None:
-    """Join the replica's process group as `rank` (pp * TP + tp) and set this
-    worker's TP and PP groups. A single-worker replica touches nothing."""
+def init_worker_groups(config: FleetConfig, dp_rank: int, rank: int, store_host: str, store_port: int) -> None:
+    """Join this worker's world as replica rank `rank` (pp * TP + tp) of
+    data-parallel rank `dp_rank` and set its TP, PP, EP and DP groups. A
+    world of one worker touches nothing."""
     parallel = config.parallel
-    world_size = parallel.replica_size
+    if parallel.replicas_step_together:
+        layout, world_rank = parallel, dp_rank * parallel.replica_size + rank
+        store_host, store_port = parallel.master_addr, parallel.master_port
+    else:
+        layout, world_rank = dataclasses.replace(parallel, data_parallel_size=1), rank
+    world_size = layout.world_size
     if world_size == 1:
         return
     timeout = timedelta(seconds=parallel.distributed_timeout_seconds)
     store = dist.TCPStore(store_host, store_port, world_size=world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(config.device.distributed_backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    replica = parallel_groups(dataclasses.replace(parallel, data_parallel_size=1, enable_expert_parallel=False))
-    set_tp_group(_member_group(replica.tp, rank))
-    set_pp_group(_member_group(replica.pp, rank))
+    dist.init_process_group(config.device.distributed_backend, store=store, rank=world_rank, world_size=world_size, timeout=timeout)
+    groups = parallel_groups(layout)
+    set_tp_group(_member_group(groups.tp, world_rank))
+    set_pp_group(_member_group(groups.pp, world_rank))
+    set_dp_group(_member_group(groups.dp, world_rank))
+    set_ep_group(_member_group(groups.ep, world_rank))
 
 
 def _member_group(all_groups: list[list[int]], rank: int) -> GroupCoordinator:

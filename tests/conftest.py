@@ -30,6 +30,16 @@ TINY_DIMS = dict(
     initializer_range=0.2,
 )
 
+MOE_DIMS = dict(num_experts_per_tok=2, intermediate_size=64, router_jitter_noise=0.0)
+"""8 experts (so expert parallel splits them over up to 8 ranks), 2 per token."""
+
+MODEL_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+}
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
@@ -45,12 +55,10 @@ def _corpus() -> list[str]:
 
 
 def write_tiny_model(directory: Path, model_type: str, seed: int, **overrides) -> Path:
-    """Save a seeded random model of `model_type` ("llama" or "qwen2") in float32."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a seeded random model of `model_type` in float32."""
+    import transformers
 
-    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
-        model_type
-    ]
+    config_class, model_class = (getattr(transformers, name) for name in MODEL_CLASSES[model_type])
     config = config_class(**{**TINY_DIMS, **overrides})
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32).eval()
@@ -105,3 +113,20 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Qwen2 with GQA, q/k/v biases and tied embeddings."""
     directory = tmp_path_factory.mktemp("tiny_qwen2")
     return os.fspath(write_tiny_model(directory, "qwen2", seed=1, tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Mixtral: 8 experts, top-2 routing, GQA."""
+    directory = tmp_path_factory.mktemp("tiny_mixtral")
+    return os.fspath(write_tiny_model(directory, "mixtral", seed=2, num_local_experts=8, **MOE_DIMS))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen2-MoE: 8 routed experts (top-2) plus a gated shared expert, q/k/v biases."""
+    directory = tmp_path_factory.mktemp("tiny_qwen2_moe")
+    return os.fspath(write_tiny_model(
+        directory, "qwen2_moe", seed=3, num_experts=8, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, tie_word_embeddings=True, **MOE_DIMS,
+    ))

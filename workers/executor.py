@@ -54,11 +54,12 @@ class Executor:
 class UniExecutor(Executor):
     def __init__(self, config: FleetConfig, dp_rank: int):
         self.config = config
+        self.dp_rank = dp_rank
 
     def start(self) -> KVCapacity:
         from fleet.workers.worker import Worker
 
-        self.worker = Worker(self.config)
+        self.worker = Worker(self.config, self.dp_rank)
         num_blocks = self.worker.available_kv_blocks()
         self.worker.init_kv_cache(num_blocks)
         return KVCapacity(num_blocks, self.config.cache.block_size)
@@ -83,7 +84,10 @@ class MultiprocExecutor(Executor):
         self.call_ids = itertools.count()
 
     def start(self) -> KVCapacity:
-        store = self._host_store() if self.config.parallel.replica_size > 1 else ("", 0)
+        parallel = self.config.parallel
+        # Replicas that step together meet in one world, at the coordinator's store.
+        hosts_store = parallel.replica_size > 1 and not parallel.replicas_step_together
+        store = self._host_store() if hosts_store else ("", 0)
         handshake = ipc.HandshakeListener(self.ctx)
         try:
             self._spawn_workers(handshake.address, store)
@@ -104,8 +108,10 @@ class MultiprocExecutor(Executor):
         import torch.distributed as dist  # only replicas of several workers need torch here
 
         parallel = self.config.parallel
+        # Independent replicas each host a store: only a lone replica may take the fixed port.
+        port = parallel.master_port or 0 if parallel.data_parallel_size == 1 else 0
         self._store = dist.TCPStore(
-            parallel.master_addr, parallel.master_port or 0, is_master=True, wait_for_workers=False,
+            parallel.master_addr, port, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=parallel.distributed_timeout_seconds),
         )
         return parallel.master_addr, self._store.port
@@ -119,6 +125,7 @@ class MultiprocExecutor(Executor):
             coord = coord_of(parallel, rank)
             info = WorkerStartupInfo(
                 config=self.config,
+                dp_rank=self.dp_rank,
                 rank=rank - first,
                 local_rank=local_rank,
                 num_local_workers=parallel.replica_size,

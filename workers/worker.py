@@ -40,6 +40,7 @@ CPU_KV_CACHE_DEFAULT_CAP = 4 * 2**30
 
 class WorkerStartupInfo(msgspec.Struct):
     config: FleetConfig
+    dp_rank: int
     rank: int
     """Rank within the replica: pp * TP + tp."""
     local_rank: int
@@ -55,7 +56,8 @@ class WorkerStartupInfo(msgspec.Struct):
 
 
 class Worker:
-    def __init__(self, config: FleetConfig, rank: int = 0, local_rank: int = 0, num_local_workers: int = 1, store: tuple[str, int] = ("", 0)):
+    def __init__(self, config: FleetConfig, dp_rank: int = 0, rank: int = 0, local_rank: int = 0,
+                 num_local_workers: int = 1, store: tuple[str, int] = ("", 0)):
         from fleet.parallel.dims import driver_rank
         from fleet.parallel.groups import init_worker_groups
         from fleet.workers.loader import load_model
@@ -63,7 +65,7 @@ class Worker:
 
         self.config = config
         self.device = _init_device(config, local_rank, num_local_workers)
-        init_worker_groups(config, rank, *store)
+        init_worker_groups(config, dp_rank, rank, *store)
         torch.manual_seed(config.model.seed)
         dtype = TORCH_DTYPES[config.model.dtype]
         model = load_model(config.model, config.load, dtype, self.device)
@@ -127,7 +129,7 @@ def run_worker_process(name: str) -> None:
     info: WorkerStartupInfo = ipc.read_startup_info(WorkerStartupInfo)
     ctx = zmq.Context()
     try:
-        worker = Worker(info.config, info.rank, info.local_rank, info.num_local_workers, (info.store_host, info.store_port))
+        worker = Worker(info.config, info.dp_rank, info.rank, info.local_rank, info.num_local_workers, (info.store_host, info.store_port))
         plans = ipc.make_socket(ctx, zmq.SUB, connect=info.plan_address)
         plans.setsockopt(zmq.SUBSCRIBE, b"")
         results = ipc.make_socket(ctx, zmq.PUSH, connect=info.result_address) if worker.is_driver else None
