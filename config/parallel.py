@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 
 
 MULTI_NODE_MASTER_PORT = 29501
-"""--master-port of a multi-node job that names none: every node must agree, so no free port is picked."""
+"""--master-port of a job of several launches (nodes, or hybrid/external load balancing) that names none:
+every launch must agree, so no free port is picked."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     """Address of node 0, where torch.distributed meets."""
     master_port: int | None = None
-    """Port on --master-addr for torch.distributed. Unset: a free port bound at start-up on one node, 29501 across nodes."""
+    """Port on --master-addr for torch.distributed. Unset: a free port bound at start-up by a single launch, 29501 when several launches make the job."""
     headless: bool = False
     """Run engines and workers only, no API server (the other nodes of an internal-LB job)."""
     distributed_timeout_seconds: int = 300
@@ -151,6 +152,7 @@ class ParallelConfig:
             rank = 0
 
         headless = self.headless
+        several_launches = self.nnodes > 1 or local_size < self.data_parallel_size
         if self.nnodes > 1 and self.node_rank > 0 and not (external or hybrid) and not headless:
             logger.info("node rank %d of an internal-LB job runs headless: node 0 serves HTTP", self.node_rank)
             headless = True
@@ -163,7 +165,7 @@ class ParallelConfig:
             data_parallel_external_lb=external,
             data_parallel_hybrid_lb=hybrid,
             data_parallel_address=self.data_parallel_address or self.master_addr,
-            master_port=self.master_port if self.master_port is not None or self.nnodes == 1 else MULTI_NODE_MASTER_PORT,
+            master_port=self.master_port if self.master_port is not None or not several_launches else MULTI_NODE_MASTER_PORT,
             is_moe=is_moe,
         )
         _check_ranks(resolved)

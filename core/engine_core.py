@@ -19,20 +19,26 @@ import zmq
 
 from fleet.config.fleet import FleetConfig
 from fleet.core import ipc, serial
+from fleet.core.dp_coordinator import CoordinatorAddresses
 from fleet.core.messages import (
     Abort,
+    CoordinatorBroadcast,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
     EngineInput,
+    EngineLoad,
     KVCapacity,
     ModelRunnerOutput,
     Ready,
     Shutdown,
     StartupFailed,
+    StepDecision,
+    StepVote,
     UtilityCall,
     UtilityResult,
+    WaveWakeUp,
 )
 from fleet.core.scheduler import Scheduler
 
@@ -92,7 +98,9 @@ class EngineCore:
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Run one step; return the outputs grouped by the client that gets them."""
         plan = self.scheduler.schedule()
-        if plan.num_scheduled_tokens or plan.finished_request_ids:  # workers must drop finished requests too
+        # Workers must drop finished requests too; and lock-step replicas all
+        # run every step, with no tokens if need be (see dp_coordinator.py).
+        if plan.num_scheduled_tokens or plan.finished_request_ids or self.config.parallel.replicas_step_together:
             result = self.executor.execute(plan)
         else:
             result = ModelRunnerOutput(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
@@ -118,6 +126,10 @@ class EngineCore:
                 self.client_of_request.pop(output.request_id, None)
             bucket(client).append(output)
         return grouped
+
+    def load(self) -> EngineLoad:
+        scheduler = self.scheduler
+        return EngineLoad(self.dp_rank, len(scheduler.waiting), len(scheduler.running))
 
     def utility(self, method: str, args: list[Any]) -> Any:
         if method == "health":
@@ -149,6 +161,8 @@ class EngineCoreStartupInfo(msgspec.Struct):
     """One ROUTER per client (API server or LLM): requests come from there."""
     output_addresses: list[str]
     """One PULL per client: outputs go there, by the request's client_index."""
+    coordinator: CoordinatorAddresses | None = None
+    """The DP coordinator (several replicas): loads go there, and lock-step votes."""
 
 
 class EngineCoreProcess:
@@ -158,6 +172,10 @@ class EngineCoreProcess:
         self.inputs: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
         self.ctx = zmq.Context()
+        self.next_step = 0
+        """The lock-step step this engine votes for next."""
+        self.woken = False
+        self.last_load: EngineLoad | None = None
 
     def run(self) -> None:
         try:
@@ -169,7 +187,7 @@ class EngineCoreProcess:
         self._start_io_threads()
         ipc.report(self.info.handshake_address, Ready(self.name, os.getpid(), kv_capacity=self.engine.kv_capacity))
         try:
-            self._busy_loop()
+            self._lockstep_loop() if self.info.config.parallel.replicas_step_together else self._busy_loop()
         except Exception as error:
             logger.exception("%s died", self.name)
             self.outputs.put((None, EngineDead(self.info.dp_rank, f"{self.name}: {error}")))
@@ -184,8 +202,47 @@ class EngineCoreProcess:
             if not self._drain_inputs(block=not self.engine.has_work()):
                 return
             if self.engine.has_work():
-                for client, outputs in self.engine.step().items():
-                    self.outputs.put((client, outputs))
+                self._step()
+
+    def _lockstep_loop(self) -> None:
+        """Every step is agreed with the other replicas (dp_coordinator.py):
+        vote, wait for the decision, and step, with no tokens if idle."""
+        wave_running = False
+        while True:
+            if not self._drain_inputs(block=not (wave_running or self.woken or self.engine.has_work())):
+                return
+            self.woken = False
+            self._send_to_coordinator(StepVote(self.info.dp_rank, self.next_step, self.engine.has_work()))
+            decision = self._await_decision()
+            if decision is None:
+                return
+            self.next_step += 1
+            wave_running = decision.run
+            if decision.run:
+                self._step()
+
+    def _await_decision(self) -> StepDecision | None:
+        """The coordinator's decision for our vote; requests that arrive
+        meanwhile are queued. None once Shutdown arrived."""
+        while True:
+            message = self.inputs.get()
+            if isinstance(message, StepDecision):
+                assert message.step == self.next_step, (message, self.next_step)
+                return message
+            if not self._handle(message):
+                return None
+
+    def _step(self) -> None:
+        for client, outputs in self.engine.step().items():
+            self.outputs.put((client, outputs))
+        if self.info.coordinator is not None:
+            load = self.engine.load()
+            if load != self.last_load:
+                self._send_to_coordinator(load)
+                self.last_load = load
+
+    def _send_to_coordinator(self, message: StepVote | EngineLoad) -> None:
+        self.coordinator.send(serial.encode(message))
 
     def _drain_inputs(self, block: bool) -> bool:
         """Handle every queued input; False once Shutdown arrived."""
@@ -194,19 +251,27 @@ class EngineCoreProcess:
         except queue.Empty:
             return True
         while True:
-            match message:
-                case EngineCoreRequest():
-                    self.engine.add_request(message)
-                case Abort(request_ids=ids):
-                    self.engine.abort(ids)
-                case UtilityCall(call_id=call_id, method=method, args=args, client_index=client):
-                    self.outputs.put((client, self._utility(call_id, method, args)))
-                case Shutdown():
-                    return False
+            if not self._handle(message):
+                return False
             try:
                 message = self.inputs.get_nowait()
             except queue.Empty:
                 return True
+
+    def _handle(self, message: Any) -> bool:
+        """Act on one input; False for Shutdown."""
+        match message:
+            case EngineCoreRequest():
+                self.engine.add_request(message)
+            case Abort(request_ids=ids):
+                self.engine.abort(ids)
+            case UtilityCall(call_id=call_id, method=method, args=args, client_index=client):
+                self.outputs.put((client, self._utility(call_id, method, args)))
+            case WaveWakeUp(step=step):
+                self.woken = self.woken or step == self.next_step  # else stale: we voted already
+            case Shutdown():
+                return False
+        return True
 
     def _utility(self, call_id: int, method: str, args: list[Any]) -> UtilityResult:
         try:
@@ -221,17 +286,26 @@ class EngineCoreProcess:
         for dealer in dealers:
             # Hello, with our pid so that clients can watch us: a ROUTER routes only to peers it has heard from.
             dealer.send(str(os.getpid()).encode())
-        threading.Thread(target=self._input_thread, args=(dealers,), name="engine-input", daemon=True).start()
+        subscribers = []
+        if self.info.coordinator is not None:
+            # The main thread owns the PUSH; the input thread the SUB (a zmq socket is single-threaded).
+            self.coordinator = ipc.make_socket(self.ctx, zmq.PUSH, connect=self.info.coordinator.engine_inputs)
+            sub = ipc.make_socket(self.ctx, zmq.SUB, connect=self.info.coordinator.engine_broadcast)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            subscribers.append(sub)
+        threading.Thread(target=self._input_thread, args=(dealers, subscribers), name="engine-input", daemon=True).start()
         self._pushes = pushes
         threading.Thread(target=self._output_thread, name="engine-output", daemon=True).start()
 
-    def _input_thread(self, dealers: list[zmq.Socket]) -> None:
-        decoder = serial.Decoder(EngineInput, f"{self.name} input")
+    def _input_thread(self, dealers: list[zmq.Socket], subscribers: list[zmq.Socket]) -> None:
+        client_decoder = serial.Decoder(EngineInput, f"{self.name} input")
+        coordinator_decoder = serial.Decoder(CoordinatorBroadcast, f"{self.name} coordinator")
         poller = zmq.Poller()
-        for dealer in dealers:
-            poller.register(dealer, zmq.POLLIN)
+        for sock in [*dealers, *subscribers]:
+            poller.register(sock, zmq.POLLIN)
         while True:
             for sock, _ in poller.poll():
+                decoder = coordinator_decoder if sock in subscribers else client_decoder
                 message = decoder.decode(sock.recv())
                 if message is not None:
                     self.inputs.put(message)

@@ -190,6 +190,52 @@ class WorkerDead(Struct, tag=True):
 WorkerOutput = ModelRunnerOutput | WorkerUtilityResult | WorkerDead
 
 
+# ---- engine cores <-> data-parallel coordinator -------------------------------------
+
+
+class StepVote(Struct, tag=True):
+    """An engine of a lock-step job is ready for step `step`; whether it has work."""
+
+    dp_rank: int
+    step: int
+    has_work: bool
+
+
+class EngineLoad(Struct, tag=True):
+    """An engine's queue, sent when it changes."""
+
+    dp_rank: int
+    num_waiting: int
+    num_running: int
+
+
+CoordinatorInput = StepVote | EngineLoad
+
+
+class WaveWakeUp(Struct, tag=True):
+    """To every engine of a lock-step job: someone voted for `step` while all
+    were idle; the others vote too (and run empty steps) until the wave ends."""
+
+    step: int
+
+
+class StepDecision(Struct, tag=True):
+    """To every engine: all voted for `step`; run it (some had work) or go idle."""
+
+    step: int
+    run: bool
+
+
+CoordinatorBroadcast = WaveWakeUp | StepDecision
+
+
+class EngineLoads(Struct, tag=True):
+    """To API servers: unfinished requests of each engine, by data-parallel rank."""
+
+    num_waiting: list[int]
+    num_running: list[int]
+
+
 # ---- start-up handshake ---------------------------------------------------------
 
 

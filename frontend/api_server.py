@@ -202,6 +202,8 @@ class APIServerStartupInfo(msgspec.Struct):
     num_engines: int
     listen_fd: int
     handshake_address: str
+    load_address: str | None = None
+    """The DP coordinator's load table, when it runs on this node."""
 
 
 def run_api_server(name: str, info: APIServerStartupInfo) -> None:
@@ -212,7 +214,7 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
     try:
         config = info.config
         metrics = Metrics(config.model.served_model_name[0] if config.model.served_model_name else config.model.model)
-        engine = AsyncEngine(config, load_tokenizer(config.model), info.index, info.addresses, metrics)
+        engine = AsyncEngine(config, load_tokenizer(config.model), info.index, info.addresses, metrics, info.load_address)
         engine.connect(info.num_engines)
         app = build_app(engine, config)
     except Exception as error:

@@ -10,9 +10,10 @@ import time
 from collections.abc import AsyncIterator
 
 from fleet.config.fleet import FleetConfig
-from fleet.core.messages import EngineCoreOutputs
+from fleet.core.messages import EngineCoreOutputs, EngineLoads
 from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.engine_client import ClientAddresses, EngineClient, EngineDeadError
+from fleet.frontend.load_balancer import LoadBalancer
 from fleet.frontend.metrics import Metrics
 from fleet.frontend.output_processor import RequestState, child_requests
 
@@ -29,16 +30,18 @@ class _Tracked:
 
 
 class AsyncEngine:
-    def __init__(self, config: FleetConfig, tokenizer, client_index: int, addresses: ClientAddresses, metrics: Metrics):
+    def __init__(self, config: FleetConfig, tokenizer, client_index: int, addresses: ClientAddresses, metrics: Metrics,
+                 load_address: str | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.client = EngineClient(config, self._on_outputs, self._on_death, client_index, addresses)
+        self.client = EngineClient(config, self._on_outputs, self._on_death, client_index, addresses,
+                                   load_address, self._on_loads)
         self.client_index = client_index
+        self.balancer: LoadBalancer | None = None
         self._tracked: dict[str, tuple[_Tracked, int]] = {}  # engine request id -> (request, sequence index)
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._next_engine = itertools.count()
 
     @property
     def dead_reason(self) -> str | None:
@@ -46,6 +49,7 @@ class AsyncEngine:
 
     def connect(self, num_engines: int) -> None:
         self.client.connect_engines(num_engines)
+        self.balancer = LoadBalancer([int.from_bytes(i, "little") for i in self.client.engine_identities])
 
     async def generate(
         self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
@@ -57,7 +61,7 @@ class AsyncEngine:
         request_id = f"{self.client_index}-{next(self._ids)}"
         tracked = _Tracked(RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer), asyncio.Queue(), asyncio.get_running_loop())
         children = child_requests(request_id, prompt_token_ids, params, time.time(), self.client_index, priority)
-        engine = self._pick_engine()
+        engine = self.balancer.pick(len(children))
         with self._lock:
             for index, child in enumerate(children):
                 self._tracked[child.request_id] = (tracked, index)
@@ -78,16 +82,13 @@ class AsyncEngine:
                     self.metrics.observe_finished(state.output, time.monotonic() - tracked.arrival)
                 yield state
         finally:
+            self.balancer.finished(engine, len(children))
             unfinished = [c.request_id for c, seq in zip(children, state.output.outputs) if not seq.finished]
             with self._lock:
                 for child in children:
                     self._tracked.pop(child.request_id, None)
             if unfinished and self.dead_reason is None:
                 self.client.abort(unfinished, engine)
-
-    def _pick_engine(self) -> int:
-        # Data-parallel balancing arrives with several engines; in rotation until then.
-        return next(self._next_engine) % len(self.client.engine_identities)
 
     # ---- called on the EngineClient's output thread ----------------------------------------
 
@@ -113,6 +114,10 @@ class AsyncEngine:
         else:
             self.metrics.inter_token_latency.observe((now - tracked.last_token_at) / num_new)
         tracked.last_token_at = now
+
+    def _on_loads(self, loads: EngineLoads) -> None:
+        if self.balancer is not None:
+            self.balancer.publish(loads)
 
     def _on_death(self, reason: str) -> None:
         with self._lock:

@@ -24,6 +24,7 @@ from fleet.core.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
+    EngineLoads,
     EngineOutput,
     KVCapacity,
     Shutdown,
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 OutputHandler = Callable[[EngineCoreOutputs], None]
 DeathHandler = Callable[[str], None]
+LoadHandler = Callable[[EngineLoads], None]
 
 
 class ClientAddresses(msgspec.Struct):
@@ -63,6 +65,8 @@ class EngineClient:
         on_death: DeathHandler,
         client_index: int = 0,
         addresses: ClientAddresses | None = None,
+        load_address: str | None = None,
+        on_loads: LoadHandler | None = None,
     ):
         self.config = config
         self.client_index = client_index
@@ -73,6 +77,11 @@ class EngineClient:
         self.requests = ipc.make_socket(self.ctx, zmq.ROUTER, bind=addresses.requests)
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.outputs = ipc.make_socket(self.ctx, zmq.PULL, bind=addresses.outputs)
+        self.loads: zmq.Socket | None = None
+        if load_address is not None and on_loads is not None:  # the DP coordinator's load table
+            self.loads = ipc.make_socket(self.ctx, zmq.SUB, connect=load_address)
+            self.loads.setsockopt(zmq.SUBSCRIBE, b"")
+        self.on_loads = on_loads
         self.engines: list[ipc.ChildProcess] = []
         self.foreign_engines: list[ipc.ForeignProcess] = []
         self.engine_identities: list[bytes] = []
@@ -157,9 +166,21 @@ class EngineClient:
 
     def _output_loop(self) -> None:
         decoder = serial.Decoder(EngineOutput, "engine outputs")
+        load_decoder = serial.Decoder(EngineLoads, "engine loads")
+        poller = zmq.Poller()
+        poller.register(self.outputs, zmq.POLLIN)
+        if self.loads is not None:
+            poller.register(self.loads, zmq.POLLIN)
         while not self._closed.is_set():
-            if not self.outputs.poll(100):
+            ready = dict(poller.poll(100))
+            if not ready:
                 self._check_engines_alive()
+                continue
+            if self.loads in ready:
+                loads = load_decoder.decode(self.loads.recv())
+                if loads is not None:
+                    self.on_loads(loads)
+            if self.outputs not in ready:
                 continue
             message = decoder.decode(self.outputs.recv())
             match message:

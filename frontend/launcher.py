@@ -3,6 +3,7 @@ under one deadline, then supervise. Any child's death tears the node down
 and exits non-zero; SIGINT/SIGTERM shut down within --shutdown-timeout."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -11,9 +12,11 @@ import zmq
 
 from fleet.config.fleet import FleetConfig
 from fleet.core import ipc
+from fleet.core.dp_coordinator import CoordinatorAddresses, CoordinatorStartupInfo
 from fleet.core.engine_core import EngineCoreStartupInfo
 from fleet.frontend.api_server import APIServerStartupInfo, listening_socket
 from fleet.frontend.engine_client import ClientAddresses
+from fleet.frontend.plan import coordinator_addresses, engines_use_coordinator, runs_dp_coordinator
 from fleet.parallel.dims import node_engine_ranks
 
 logger = logging.getLogger("fleet.launch")
@@ -43,38 +46,64 @@ class Launcher:
         return self._supervise()
 
     def _start(self) -> None:
-        config, frontend = self.config, self.config.frontend
         ctx = zmq.Context()
         handshake = ipc.HandshakeListener(ctx)
         try:
-            engine_ranks = node_engine_ranks(config.parallel)
-            clients = [ClientAddresses.new() for _ in range(frontend.api_server_count)] if not config.parallel.headless else []
-            http = listening_socket(frontend.host, frontend.port) if clients else None
-            if http is not None:  # --port 0 binds any free port: say which
-                self.url = f"http://{frontend.host}:{http.getsockname()[1]}"
-            for index, addresses in enumerate(clients):
-                info = APIServerStartupInfo(config, index, addresses, len(engine_ranks), http.fileno(), handshake.address)
-                self.children.append(ipc.spawn("fleet.frontend.api_server", f"fleet-api-{index}", info, pass_fds=(http.fileno(),)))
-            for dp_rank in engine_ranks:
-                info = EngineCoreStartupInfo(
-                    config=config,
-                    dp_rank=dp_rank,
-                    handshake_address=handshake.address,
-                    input_addresses=[c.requests for c in clients],
-                    output_addresses=[c.outputs for c in clients],
-                )
-                self.children.append(ipc.spawn("fleet.core.engine_core", f"fleet-engine-dp{dp_rank}", info))
-            ready = handshake.wait_all(self.children, config.parallel.distributed_timeout_seconds)
-            if http is not None:
-                http.close()  # the API servers hold their own copies
-            for message in ready.values():
-                if message.kv_capacity is not None:
-                    capacity = message.kv_capacity
-                    concurrency = capacity.num_tokens / config.model.max_model_len
-                    logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name, capacity.num_tokens, concurrency, config.model.max_model_len)
+            coordinator = self._start_coordinator(handshake) if runs_dp_coordinator(self.config.parallel) else None
+            self._start_api_servers_and_engines(handshake, coordinator)
         finally:
             handshake.close()
             ctx.destroy(linger=0)
+
+    def _start_coordinator(self, handshake: ipc.HandshakeListener) -> CoordinatorAddresses:
+        """Start the DP coordinator first: engines and API servers need its
+        addresses, and lock-step workers the port of the store it hosts."""
+        addresses = coordinator_addresses(self.config.parallel)
+        info = CoordinatorStartupInfo(self.config, handshake.address, addresses)
+        child = ipc.spawn("fleet.core.dp_coordinator", "fleet-dp-coordinator", info)
+        self.children.append(child)
+        ready = handshake.wait_all([child], self.config.parallel.distributed_timeout_seconds)[child.name]
+        parallel = self.config.parallel
+        if parallel.replicas_step_together and parallel.master_port is None:  # bound at start-up: pass it on
+            self.config = dataclasses.replace(
+                self.config, parallel=dataclasses.replace(parallel, master_port=int(ready.addresses["store_port"]))
+            )
+        return addresses
+
+    def _start_api_servers_and_engines(self, handshake: ipc.HandshakeListener, coordinator: CoordinatorAddresses | None) -> None:
+        config, frontend = self.config, self.config.frontend
+        engine_ranks = node_engine_ranks(config.parallel)
+        if coordinator is None and config.parallel.replicas_step_together:
+            coordinator = coordinator_addresses(config.parallel)  # on the launch of rank 0: connect there
+        engines_coordinator = coordinator if engines_use_coordinator(config.parallel) else None
+        load_address = coordinator.loads if runs_dp_coordinator(config.parallel) else None
+        clients = [ClientAddresses.new() for _ in range(frontend.api_server_count)] if not config.parallel.headless else []
+        http = listening_socket(frontend.host, frontend.port) if clients else None
+        if http is not None:  # --port 0 binds any free port: say which
+            self.url = f"http://{frontend.host}:{http.getsockname()[1]}"
+        started: list[ipc.ChildProcess] = []
+        for index, addresses in enumerate(clients):
+            info = APIServerStartupInfo(config, index, addresses, len(engine_ranks), http.fileno(), handshake.address, load_address)
+            started.append(ipc.spawn("fleet.frontend.api_server", f"fleet-api-{index}", info, pass_fds=(http.fileno(),)))
+        for dp_rank in engine_ranks:
+            info = EngineCoreStartupInfo(
+                config=config,
+                dp_rank=dp_rank,
+                handshake_address=handshake.address,
+                input_addresses=[c.requests for c in clients],
+                output_addresses=[c.outputs for c in clients],
+                coordinator=engines_coordinator,
+            )
+            started.append(ipc.spawn("fleet.core.engine_core", f"fleet-engine-dp{dp_rank}", info))
+        self.children.extend(started)
+        ready = handshake.wait_all(started, config.parallel.distributed_timeout_seconds)
+        if http is not None:
+            http.close()  # the API servers hold their own copies
+        for message in ready.values():
+            if message.kv_capacity is not None:
+                capacity = message.kv_capacity
+                concurrency = capacity.num_tokens / config.model.max_model_len
+                logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name, capacity.num_tokens, concurrency, config.model.max_model_len)
 
     def _supervise(self) -> int:
         while self.stop_requested is None:

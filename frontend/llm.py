@@ -23,6 +23,11 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any):
         self.config = EngineArgs(model=model, **engine_args).create_config()
+        if self.config.parallel.data_parallel_size > 1:
+            raise ValueError(
+                "fleet.LLM runs one replica: serve --data-parallel-size > 1 with `fleet launch` "
+                f"(got data_parallel_size={self.config.parallel.data_parallel_size})"
+            )
         self.tokenizer = load_tokenizer(self.config.model)
         self._requests: dict[str, tuple[RequestState, int]] = {}  # engine request id -> (state, sequence index)
         self._lock = threading.Lock()

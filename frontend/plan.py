@@ -8,6 +8,8 @@ from typing import Any
 
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
+from fleet.core import ipc
+from fleet.core.dp_coordinator import CoordinatorAddresses
 from fleet.parallel.dims import coord_of, node_engine_ranks, node_worker_ranks, parallel_groups
 
 
@@ -20,12 +22,31 @@ def runs_dp_coordinator(parallel: ParallelConfig) -> bool:
     return parallel.data_parallel_size > 1 and 0 in node_engine_ranks(parallel)
 
 
+def is_single_launch(parallel: ParallelConfig) -> bool:
+    """Whether this launch runs the whole job (else other launches join it)."""
+    return parallel.nnodes == 1 and parallel.data_parallel_size_local == parallel.data_parallel_size
+
+
 def engine_transport(parallel: ParallelConfig) -> str:
     """ipc:// when every engine of the job shares this node with its API servers, else tcp://."""
-    single_launch = parallel.nnodes == 1 and parallel.data_parallel_size_local == parallel.data_parallel_size
-    if single_launch:
+    if is_single_launch(parallel):
         return "ipc"
     return f"tcp://{parallel.data_parallel_address}:{parallel.data_parallel_rpc_port}"
+
+
+def coordinator_addresses(parallel: ParallelConfig) -> CoordinatorAddresses:
+    """Where the DP coordinator listens: fresh ipc:// paths on a single
+    launch; across launches, --data-parallel-address with
+    --data-parallel-rpc-port (engine inputs) and the port after it (broadcast)."""
+    if is_single_launch(parallel):
+        return CoordinatorAddresses(*(ipc.new_ipc_address(tag) for tag in ("coord-in", "coord-out", "coord-loads")))
+    host, port = parallel.data_parallel_address, parallel.data_parallel_rpc_port
+    return CoordinatorAddresses(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}", ipc.new_ipc_address("coord-loads"))
+
+
+def engines_use_coordinator(parallel: ParallelConfig) -> bool:
+    """Engines report to the coordinator when it runs beside them, and lock-step engines wherever they run."""
+    return runs_dp_coordinator(parallel) or parallel.replicas_step_together
 
 
 def node_processes(config: FleetConfig) -> list[dict[str, Any]]:

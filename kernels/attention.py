@@ -178,6 +178,8 @@ def paged_attention(
     Returns:
         [T, H, D] in query's dtype.
     """
+    if query.shape[0] == 0:  # a replica's empty step in lock-step with the others
+        return torch.empty_like(query)
     write_kv_cache(key, value, kv_cache, meta.slot_mapping)
     fused = _fused_cpu_ops(query, kv_cache)
     if fused is not None:

@@ -25,8 +25,10 @@ class GroupCoordinator:
         self.group = group
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place; returns the summed tensor."""
-        if self.size == 1:
+        """Sum over the group, in place; returns the summed tensor. Every rank
+        holds the same shape, so an empty tensor (a replica's token-less step)
+        is skipped by all of them alike."""
+        if self.size == 1 or tensor.numel() == 0:
             return tensor
         dist.all_reduce(tensor, group=self.group)
         return tensor
@@ -60,12 +62,17 @@ class GroupCoordinator:
         return self.rank == self.size - 1
 
     def send_next(self, tensor: torch.Tensor) -> None:
-        """Send to the next rank of the group (the next pipeline stage)."""
+        """Send to the next rank of the group (the next pipeline stage); the
+        receiver knows the shape, so an empty tensor is not sent at all."""
+        if tensor.numel() == 0:
+            return
         dist.send(tensor.contiguous(), dst=dist.get_global_rank(self.group, self.rank + 1), group=self.group)
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Receive a tensor of known shape from the previous rank (stage)."""
         tensor = torch.empty(shape, dtype=dtype, device=device)
+        if tensor.numel() == 0:
+            return tensor
         dist.recv(tensor, src=dist.get_global_rank(self.group, self.rank - 1), group=self.group)
         return tensor
 

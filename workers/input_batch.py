@@ -91,6 +91,8 @@ class RequestStates:
         state.num_computed_tokens = cached.num_computed_tokens
 
     def build_batch(self, plan: SchedulerOutput) -> StepBatch:
+        if not plan.num_scheduled_tokens:
+            return self._empty_batch()
         requests = [self.states[request_id] for request_id in plan.num_scheduled_tokens]
         query_lens = list(plan.num_scheduled_tokens.values())
         starts = [state.num_computed_tokens for state in requests]
@@ -119,6 +121,22 @@ class RequestStates:
             query_lens=query_lens,
             seq_lens_list=seq_lens,
             num_decode_seqs=num_decode_seqs,
+        )
+
+    def _empty_batch(self) -> StepBatch:
+        """No tokens: the forward a replica runs only to join its peers' collectives."""
+        to = self._to_device
+        return StepBatch(
+            input_ids=to(np.zeros(0, dtype=np.int64)),
+            positions=to(np.zeros(0, dtype=np.int64)),
+            slot_mapping=to(np.zeros(0, dtype=np.int64)),
+            query_start_loc=to(np.zeros(1, dtype=np.int32)),
+            seq_lens=to(np.zeros(0, dtype=np.int32)),
+            block_tables=to(np.zeros((0, 1), dtype=np.int32)),
+            requests=[],
+            query_lens=[],
+            seq_lens_list=[],
+            num_decode_seqs=0,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

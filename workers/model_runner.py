@@ -18,6 +18,9 @@ class ModelRunner:
         self.config = config
         self.is_driver = is_driver
         self.stage = get_pp_group()
+        # Replicas in lock-step run a forward every step, with no tokens if need
+        # be, so that the expert-parallel collectives of the others complete.
+        self.forward_every_step = config.parallel.replicas_step_together
         self.model = model
         self.device = device
         self.dtype = TORCH_DTYPES[config.model.dtype]
@@ -44,7 +47,7 @@ class ModelRunner:
         """Run one step. Every worker runs it (collectives need all of them);
         only the driver (tensor rank 0 of the last stage) returns an output."""
         self.states.apply(plan)
-        if not plan.num_scheduled_tokens:
+        if not plan.num_scheduled_tokens and not self.forward_every_step:
             return ModelRunnerOutput(step_id=plan.step_id, request_ids=[], sampled_token_ids=[]) if self.is_driver else None
         batch = self.states.build_batch(plan)
         intermediate = None

@@ -1,0 +1,164 @@
+"""The data-parallel coordinator: one process per job, beside data-parallel
+rank 0, when the job has several replicas.
+
+- Load: engines send EngineLoad whenever their queues change; the
+  coordinator publishes the table to the API servers of its node (at most
+  every LOAD_PUBLISH_INTERVAL_S), so that each API server can correct its
+  own in-flight counts with the requests the others sent.
+- Waves, for replicas that step together (MoE with expert parallel across
+  replicas, whose collectives need every replica in every step): before
+  each step every engine votes (StepVote: has it work?); once all voted the
+  coordinator broadcasts StepDecision(run = any had work). With run, every
+  engine steps, an idle one with no tokens; without, all go idle and block.
+  The first vote while all are idle makes the coordinator wake the others
+  (WaveWakeUp) so that they vote too. Steps are numbered, so a stale wake-up
+  is recognised and dropped.
+- It hosts the TCPStore where the workers of lock-step replicas meet, so
+  that the store outlives any one engine and sits at a known address.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import msgspec
+import zmq
+
+from fleet.config.fleet import FleetConfig
+from fleet.core import ipc, serial
+from fleet.core.messages import (
+    CoordinatorInput,
+    EngineLoad,
+    EngineLoads,
+    Ready,
+    StartupFailed,
+    StepDecision,
+    StepVote,
+    WaveWakeUp,
+)
+
+logger = logging.getLogger(__name__)
+
+LOAD_PUBLISH_INTERVAL_S = 0.02
+"""Load changes reach the API servers within this (batched, not one message per change)."""
+
+
+class CoordinatorAddresses(msgspec.Struct):
+    engine_inputs: str
+    """PULL: engines push their votes and loads here."""
+    engine_broadcast: str
+    """PUB: wake-ups and step decisions to every engine."""
+    loads: str
+    """PUB: the load table to the API servers of the coordinator's node."""
+
+
+class CoordinatorStartupInfo(msgspec.Struct):
+    config: FleetConfig
+    handshake_address: str
+    addresses: CoordinatorAddresses
+
+
+class WaveState:
+    """The lock-step votes of one job, as pure logic: votes in, broadcasts out."""
+
+    def __init__(self, num_engines: int):
+        self.num_engines = num_engines
+        self.step = 0
+        self.votes: dict[int, bool] = {}
+        self.running = False
+
+    def vote(self, vote: StepVote) -> list[WaveWakeUp | StepDecision]:
+        if vote.step != self.step:
+            raise ValueError(f"engine dp{vote.dp_rank} voted for step {vote.step} during step {self.step}")
+        broadcasts: list[WaveWakeUp | StepDecision] = []
+        if not self.votes and not self.running:
+            broadcasts.append(WaveWakeUp(self.step))
+        self.votes[vote.dp_rank] = vote.has_work
+        if len(self.votes) == self.num_engines:
+            self.running = any(self.votes.values())
+            broadcasts.append(StepDecision(self.step, self.running))
+            self.step += 1
+            self.votes = {}
+        return broadcasts
+
+
+class Coordinator:
+    def __init__(self, config: FleetConfig, addresses: CoordinatorAddresses):
+        self.config = config
+        self.num_engines = config.parallel.data_parallel_size
+        self.ctx = zmq.Context()
+        self.inputs = ipc.make_socket(self.ctx, zmq.PULL, bind=addresses.engine_inputs)
+        self.broadcast = ipc.make_socket(self.ctx, zmq.XPUB, bind=addresses.engine_broadcast)
+        self.broadcast.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.loads = ipc.make_socket(self.ctx, zmq.PUB, bind=addresses.loads)
+        self.waves = WaveState(self.num_engines)
+        self.num_waiting = [0] * self.num_engines
+        self.num_running = [0] * self.num_engines
+        self.store = self._host_store() if config.parallel.replicas_step_together else None
+
+    def _host_store(self):
+        """The job-wide TCPStore of lock-step workers, at --master-addr and
+        --master-port (port 0 on one launch: the bound port is reported)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        parallel = self.config.parallel
+        return dist.TCPStore(
+            parallel.master_addr, parallel.master_port or 0, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=parallel.distributed_timeout_seconds),
+        )
+
+    @property
+    def store_port(self) -> int:
+        return self.store.port if self.store is not None else 0
+
+    def run(self) -> None:
+        if self.config.parallel.replicas_step_together:
+            self._await_engine_subscriptions()
+        decoder = serial.Decoder(CoordinatorInput, "coordinator input")
+        dirty_since: float | None = None
+        while True:
+            timeout = None if dirty_since is None else max(0.0, dirty_since + LOAD_PUBLISH_INTERVAL_S - time.monotonic())
+            if self.inputs.poll(None if timeout is None else int(timeout * 1000) + 1):
+                message = decoder.decode(self.inputs.recv())
+                match message:
+                    case StepVote():
+                        for broadcast in self.waves.vote(message):
+                            self.broadcast.send(serial.encode(broadcast))
+                    case EngineLoad(dp_rank=rank, num_waiting=waiting, num_running=running):
+                        self.num_waiting[rank], self.num_running[rank] = waiting, running
+                        dirty_since = dirty_since or time.monotonic()
+            if dirty_since is not None and time.monotonic() - dirty_since >= LOAD_PUBLISH_INTERVAL_S:
+                self.loads.send(serial.encode(EngineLoads(self.num_waiting, self.num_running)))
+                dirty_since = None
+
+    def _await_engine_subscriptions(self) -> None:
+        """A PUB drops what it sends before a subscriber joined: no vote is
+        read (so nothing is broadcast) until every engine subscribed."""
+        subscribed = 0
+        while subscribed < self.num_engines:
+            if self.broadcast.recv()[:1] == b"\x01":
+                subscribed += 1
+        logger.info("all %d engines joined", self.num_engines)
+
+
+def main() -> None:
+    name = sys.argv[sys.argv.index("--name") + 1]
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
+    ipc.die_with_parent()
+    info = ipc.read_startup_info(CoordinatorStartupInfo)
+    try:
+        coordinator = Coordinator(info.config, info.addresses)
+    except Exception as error:
+        logger.exception("%s failed to start", name)
+        ipc.report(info.handshake_address, StartupFailed(name, os.getpid(), f"{type(error).__name__}: {error}"))
+        sys.exit(1)
+    ipc.report(info.handshake_address, Ready(name, os.getpid(), addresses={"store_port": str(coordinator.store_port)}))
+    coordinator.run()
+
+
+if __name__ == "__main__":
+    main()
