@@ -60,7 +60,10 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
     async def authenticate(request: Request, call_next):
         if api_key and request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
             return error_response(401, "invalid or missing API key: send `Authorization: Bearer KEY`")
-        return await call_next(request)
+        response = await call_next(request)
+        # Several API servers share the port: say which one answered (and whose /metrics these are).
+        response.headers["fleet-api-server"] = str(engine.client_index)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError):

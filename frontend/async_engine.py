@@ -67,7 +67,8 @@ class AsyncEngine:
                 self._tracked[child.request_id] = (tracked, index)
         for child in children:
             self.client.add_request(child, engine)
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        dp_rank = self.balancer.dp_ranks[engine]
+        self.metrics.prompt_tokens(dp_rank).inc(len(prompt_token_ids))
         state = tracked.state
         try:
             while not state.output.finished:
@@ -79,7 +80,7 @@ class AsyncEngine:
                 elif state.apply(index, update):
                     self.client.abort([children[index].request_id], engine)  # a stop string ended it
                 if state.output.finished:
-                    self.metrics.observe_finished(state.output, time.monotonic() - tracked.arrival)
+                    self.metrics.observe_finished(state.output, time.monotonic() - tracked.arrival, dp_rank)
                 yield state
         finally:
             self.balancer.finished(engine, len(children))
@@ -102,13 +103,13 @@ class AsyncEngine:
                 if entry is None:
                     continue
                 tracked, index = entry
-                self._observe_timing(tracked, len(output.new_token_ids), now)
+                self._observe_timing(tracked, len(output.new_token_ids), now, outputs.engine_index)
                 tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, (index, output))
 
-    def _observe_timing(self, tracked: _Tracked, num_new: int, now: float) -> None:
+    def _observe_timing(self, tracked: _Tracked, num_new: int, now: float, dp_rank: int) -> None:
         if not num_new:
             return
-        self.metrics.generation_tokens.inc(num_new)
+        self.metrics.generation_tokens(dp_rank).inc(num_new)
         if tracked.last_token_at is None:
             self.metrics.time_to_first_token.observe(now - tracked.arrival)
         else:

@@ -24,9 +24,9 @@ class Metrics:
         self.prefix_queries = per_engine(Counter("fleet:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model_name", "engine"], registry=r))
         self.prefix_hits = per_engine(Counter("fleet:prefix_cache_hits", "Prompt tokens found in the prefix cache.", ["model_name", "engine"], registry=r))
         self.preemptions = per_engine(Counter("fleet:num_preemptions", "Requests preempted for lack of KV blocks.", ["model_name", "engine"], registry=r))
-        self.prompt_tokens = Counter("fleet:prompt_tokens", "Prompt tokens received.", ["model_name"], registry=r).labels(**labels)
-        self.generation_tokens = Counter("fleet:generation_tokens", "Tokens generated.", ["model_name"], registry=r).labels(**labels)
-        self.request_success = Counter("fleet:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = per_engine(Counter("fleet:prompt_tokens", "Prompt tokens received.", ["model_name", "engine"], registry=r))
+        self.generation_tokens = per_engine(Counter("fleet:generation_tokens", "Tokens generated.", ["model_name", "engine"], registry=r))
+        self.request_success = Counter("fleet:request_success", "Finished requests by finish reason.", ["model_name", "engine", "finished_reason"], registry=r)
         self.time_to_first_token = Histogram("fleet:time_to_first_token_seconds", "Time to first token.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
         self.inter_token_latency = Histogram("fleet:inter_token_latency_seconds", "Time between tokens.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
         self.e2e_latency = Histogram("fleet:e2e_request_latency_seconds", "Request latency, arrival to finish.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
@@ -40,9 +40,10 @@ class Metrics:
         self.prefix_hits(engine).inc(stats.prefix_cache_hits)
         self.preemptions(engine).inc(stats.num_preemptions)
 
-    def observe_finished(self, output: RequestOutput, latency: float) -> None:
+    def observe_finished(self, output: RequestOutput, latency: float, engine: int) -> None:
         for sequence in output.outputs:
-            self.request_success.labels(model_name=self.model_name, finished_reason=sequence.finish_reason or "unknown").inc()
+            reason = sequence.finish_reason or "unknown"
+            self.request_success.labels(model_name=self.model_name, engine=str(engine), finished_reason=reason).inc()
         self.e2e_latency.observe(latency)
 
     def render(self) -> bytes:

@@ -1,0 +1,45 @@
+"""Data-parallel replicas of a dense model behind `fleet launch`: independent
+engine cores, least-loaded balancing, per-engine metrics, and the node torn
+down when one engine dies."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.frontend.server import Server
+from tests.parallel.dp_helpers import assert_greedy_over_http, metrics_of_every_api_server, per_engine
+
+pytestmark = pytest.mark.slow
+
+TINY = ("--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "2M")
+
+
+@pytest.fixture(scope="module")
+def dense_dp2_server(tiny_llama_dir):
+    server = Server(tiny_llama_dir, "--dp", "2", "--api-server-count", "2", *TINY)
+    yield server
+    if server.proc.poll() is None:
+        server.stop()
+    server.assert_nothing_left()
+
+
+def test_dense_dp2_gives_the_oracle_tokens_and_spreads_the_load(dense_dp2_server, tiny_llama_dir):
+    server = dense_dp2_server
+    assert len(server.children_named("fleet-engine-dp")) == 2
+    assert len(server.children_named("fleet-dp-coordinator")) == 1
+    bodies = assert_greedy_over_http(server, tiny_llama_dir, count=16, seed=7)
+    assert {b["api_server"] for b in bodies} == {"0", "1"}, "both API servers answer on the shared port"
+    finished = per_engine(metrics_of_every_api_server(server, 2), "fleet:request_success_total")
+    assert sum(finished.values()) >= 16
+    assert finished.get("0", 0) >= 3 and finished.get("1", 0) >= 3, finished
+
+
+def test_killing_one_engine_core_takes_the_node_down(dense_dp2_server):
+    server = dense_dp2_server
+    victim = server.children_named("fleet-engine-dp1")[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    assert server.proc.wait(timeout=30) != 0
+    server.assert_nothing_left()
+    assert any("fleet-engine-dp1" in line and "died" in line for line in server.log)
