@@ -96,6 +96,7 @@ def node_plan(config: FleetConfig) -> dict[str, Any]:
         "processes": node_processes(config),
         "addresses": {
             "engines": engine_transport(parallel),
+            "dp_coordinator": _coordinator_summary(parallel),
             "torch_distributed": f"tcp://{parallel.master_addr}:{master_port}",
             "backend": config.device.distributed_backend,
         },
@@ -107,3 +108,12 @@ def node_plan(config: FleetConfig) -> dict[str, Any]:
         "frontend": {k: v for k, v in dataclasses.asdict(config.frontend).items() if k != "api_key"},
         "compilation": dataclasses.asdict(config.compilation),
     }
+
+
+def _coordinator_summary(parallel: ParallelConfig) -> str | None:
+    if not engines_use_coordinator(parallel):
+        return None
+    if is_single_launch(parallel):
+        return "ipc"
+    host, port = parallel.data_parallel_address, parallel.data_parallel_rpc_port
+    return f"tcp://{host}:{port} (votes and loads), tcp://{host}:{port + 1} (broadcast)"

@@ -355,3 +355,27 @@ def test_as_dict_holds_every_field_and_the_derived_sizes():
         2,
         1,
     )
+
+
+def test_replicas_step_together_only_for_expert_parallel_moe_over_several_replicas():
+    assert resolve(is_moe=True, data_parallel_size=2, enable_expert_parallel=True).replicas_step_together
+    assert not resolve(is_moe=True, data_parallel_size=2).replicas_step_together, "experts sliced within each replica"
+    assert not resolve(is_moe=True, tensor_parallel_size=2, enable_expert_parallel=True).replicas_step_together
+    assert not resolve(is_moe=False, data_parallel_size=2, enable_expert_parallel=True).replicas_step_together
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(data_parallel_size=2, data_parallel_rank=1),
+        dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2),
+        dict(data_parallel_size=2, nnodes=2, node_rank=1),
+    ],
+)
+def test_a_job_of_several_launches_agrees_on_a_fixed_master_port(fields):
+    assert resolve(is_moe=True, **fields).master_port == 29501
+    assert resolve(is_moe=True, master_port=1234, **fields).master_port == 1234
+
+
+def test_a_single_launch_binds_any_free_master_port():
+    assert resolve(is_moe=True, data_parallel_size=2, enable_expert_parallel=True).master_port is None

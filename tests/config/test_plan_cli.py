@@ -215,3 +215,17 @@ def test_console_script_launch_help():
     assert result.returncode == 0, result.stderr
     for group in ("ModelConfig:", "ParallelConfig:", "SchedulerConfig:", "CompilationConfig:"):
         assert group in result.stdout
+
+
+def test_coordinator_addresses_follow_the_launch_layout(moe_config_dir, llama_config_dir):
+    assert plan_of(llama_config_dir)["addresses"]["dp_coordinator"] is None
+    assert plan_of(llama_config_dir, data_parallel_size=2)["addresses"]["dp_coordinator"] == "ipc"
+    hybrid = plan_of(
+        moe_config_dir, data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2,
+        enable_expert_parallel=True, data_parallel_address="10.0.0.1", data_parallel_rpc_port=5000,
+    )  # fmt: skip
+    assert kinds(hybrid) == {"api_server": 1, "engine_core": 2, "worker": 2}
+    assert hybrid["parallel"]["replicas_step_together"] is True
+    assert hybrid["addresses"]["dp_coordinator"].startswith("tcp://10.0.0.1:5000 ")
+    dense_hybrid = plan_of(llama_config_dir, data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2)
+    assert dense_hybrid["addresses"]["dp_coordinator"] is None, "independent replicas: nothing to coordinate remotely"
