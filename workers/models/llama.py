@@ -6,7 +6,7 @@ KV cache and the batch layout come in through AttentionMetadata.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,11 +110,16 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2I / tp] -> [T, I / tp] -> [T, hidden]
 
 
+MlpFactory = Callable[[int], nn.Module]
+"""Global layer index -> that layer's MLP (a MoE block in MoE models)."""
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, dtype, device)
-        self.mlp = LlamaMLP(spec, dtype, device)
+        self.mlp = mlp if mlp is not None else LlamaMLP(spec, dtype, device)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
@@ -136,7 +141,8 @@ class LlamaModel(nn.Module):
     """The decoder stack, or this pipeline stage's part of it: the first stage
     embeds, the last one normalises; layers keep their global index."""
 
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str,
+                 make_mlp: MlpFactory | None = None) -> None:
         super().__init__()
         stage = get_pp_group()
         if stage.size > spec.num_layers:
@@ -145,7 +151,10 @@ class LlamaModel(nn.Module):
         self.layer_indices = stage_layers(spec.num_layers, stage.size, stage.rank)
         if self.is_first_stage or (self.is_last_stage and spec.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(spec, dtype, device) for i in self.layer_indices})
+        self.layers = nn.ModuleDict({
+            str(i): LlamaDecoderLayer(spec, dtype, device, make_mlp(i) if make_mlp else None)
+            for i in self.layer_indices
+        })
         if self.is_last_stage:
             self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.hf_config, dtype, device)
@@ -171,12 +180,13 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Interface the model runner uses (shared by every model class):
     `num_layers`, `num_kv_heads` (per TP rank), `head_dim`; `forward`,
-    `compute_logits`, `load_weights`."""
+    `compute_logits`, `load_weights`. Subclasses change the MLP of a layer
+    with `build_mlp` and checkpoint names with `param_name`."""
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.spec = self.spec_from_config(hf_config)
-        self.model = LlamaModel(self.spec, dtype, device)
+        self.model = LlamaModel(self.spec, dtype, device, lambda layer: self.build_mlp(layer, dtype, device))
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(self.spec.vocab_size, self.spec.hidden_size, dtype=dtype, device=device)
             if self.spec.tie_word_embeddings:
@@ -207,6 +217,14 @@ class LlamaForCausalLM(nn.Module):
             hf_config=hf_config,
         )
 
+    def build_mlp(self, layer: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+        """The MLP of global layer `layer`."""
+        return LlamaMLP(self.spec, dtype, device)
+
+    def param_name(self, hf_name: str) -> tuple[str, Any]:
+        """Our parameter name and the shard id its weight_loader takes for an HF checkpoint name."""
+        return _param_name(hf_name)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_meta: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: int64 [T] -> hidden [T, hidden] (last pipeline
@@ -225,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         for hf_name, weight in weights:
             if "rotary_emb.inv_freq" in hf_name or (self.spec.tie_word_embeddings and hf_name == "lm_head.weight"):
                 continue
-            name, shard_id = _param_name(hf_name)
+            name, shard_id = self.param_name(hf_name)
             if name not in params and not _stage_owns(self.model, name):
                 continue  # another pipeline stage's weight
             if name not in params:
