@@ -27,7 +27,7 @@ from fleet.core.messages import (
     WorkerUtilityCall,
     WorkerUtilityResult,
 )
-from fleet.parallel.dims import coord_of
+from fleet.parallel.dims import coord_of, node_worker_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +121,16 @@ class MultiprocExecutor(Executor):
 
         parallel = self.config.parallel
         first = self.dp_rank * parallel.replica_size
-        for local_rank, rank in enumerate(range(first, first + parallel.replica_size)):
+        # Devices and CPU threads are shared by every worker of this launch, not only this replica's.
+        node_workers = node_worker_ranks(parallel)
+        for rank in range(first, first + parallel.replica_size):
             coord = coord_of(parallel, rank)
             info = WorkerStartupInfo(
                 config=self.config,
                 dp_rank=self.dp_rank,
                 rank=rank - first,
-                local_rank=local_rank,
-                num_local_workers=parallel.replica_size,
+                local_rank=rank - node_workers.start,
+                num_local_workers=len(node_workers),
                 handshake_address=handshake_address,
                 plan_address=self.plans.getsockopt_string(zmq.LAST_ENDPOINT),
                 result_address=self.results.getsockopt_string(zmq.LAST_ENDPOINT),
