@@ -54,6 +54,16 @@ def expert_param_name(hf_name: str) -> tuple[str, ExpertShard] | None:
     return f"{match['prefix']}.{param}", ExpertShard(int(match["expert"]), projection)
 
 
+def check_experts_loaded(model: nn.Module) -> None:
+    """Raise ValueError when a checkpoint left some expert of `model` unfilled:
+    a load_weights that tracks whole parameters cannot see one missing expert."""
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and module.missing_shards():
+            missing = module.missing_shards()
+            raise ValueError(f"the checkpoint has no weights for {len(missing)} expert projections of {name}, "
+                             f"e.g. {[tuple(shard) for shard in missing[:5]]}")
+
+
 class ReplicatedLinear(nn.Module):
     """y = x W^T, W whole on every rank (a router: every rank routes alike)."""
 
@@ -99,6 +109,8 @@ class FusedMoE(nn.Module):
         local, inter = self.num_local_experts, self.intermediate_per_rank
         self.w13 = self._parameter((local, 2 * inter, hidden_size), dtype, device)
         self.w2 = self._parameter((local, hidden_size, inter), dtype, device)
+        self.loaded_shards: set[ExpertShard] = set()
+        """Local experts' projections loaded so far (see `missing_shards`)."""
 
     def _parameter(self, shape: tuple[int, ...], dtype: torch.dtype | None,
                    device: torch.device | str | None) -> nn.Parameter:
@@ -127,6 +139,13 @@ class FusedMoE(nn.Module):
         else:
             row = 0 if shard_id.projection == "gate" else inter
             param.data[local, row : row + inter].copy_(loaded[start : start + inter])
+        self.loaded_shards.add(shard_id)
+
+    def missing_shards(self) -> list[ExpertShard]:
+        """This rank's expert projections that no checkpoint weight has filled."""
+        experts = range(self.expert_offset, self.expert_offset + self.num_local_experts)
+        wanted = [ExpertShard(e, p) for e in experts for p in ("gate", "up", "down")]
+        return [shard for shard in wanted if shard not in self.loaded_shards]
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], router_logits [T, E] (the same on every TP rank) -> [T, H]."""

@@ -90,3 +90,16 @@ def test_unsupported_options_are_refused(tiny_mixtral_dir, tiny_qwen2_moe_dir) -
     qwen = read_hf_config(tiny_qwen2_moe_dir)
     with pytest.raises(ValueError, match="use_sliding_window"):
         Qwen2MoeForCausalLM.spec_from_config({**qwen, "use_sliding_window": True})
+
+
+def test_a_missing_expert_is_an_error(tiny_mixtral_dir) -> None:
+    import torch
+
+    from fleet.config.model_files import read_hf_config
+    from fleet.workers.loader import iterate_weights
+
+    model = MixtralForCausalLM(read_hf_config(tiny_mixtral_dir), torch.float32, "cpu")
+    dropped = "model.layers.2.block_sparse_moe.experts.5.w3.weight"
+    weights = ((name, w) for name, w in iterate_weights(tiny_mixtral_dir) if name != dropped)
+    with pytest.raises(ValueError, match=r"1 expert projections of model.layers.2.mlp.experts, e.g. \[\(5, 'up'\)\]"):
+        model.load_weights(weights)

@@ -7,13 +7,14 @@ shorter than its context is refused.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from fleet.parallel.moe import FusedMoE, ReplicatedLinear, expert_param_name
+from fleet.parallel.moe import FusedMoE, ReplicatedLinear, check_experts_loaded, expert_param_name
 from fleet.workers.models.llama import LlamaForCausalLM, LlamaSpec
 
 
@@ -69,3 +70,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def param_name(self, hf_name: str) -> tuple[str, Any]:
         hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")
         return expert_param_name(hf_name) or super().param_name(hf_name)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        super().load_weights(weights)
+        check_experts_loaded(self)

@@ -9,12 +9,13 @@ multiple of `decoder_sparse_step`; a dense layer has a plain MLP of
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from fleet.parallel.moe import ReplicatedLinear, expert_param_name
+from fleet.parallel.moe import ReplicatedLinear, check_experts_loaded, expert_param_name
 from fleet.workers.models.llama import LlamaMLP
 from fleet.workers.models.mixtral import MoeSpec, SparseMoeBlock, moe_spec
 from fleet.workers.models.qwen2 import Qwen2ForCausalLM
@@ -61,3 +62,7 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
     def param_name(self, hf_name: str) -> tuple[str, Any]:
         return expert_param_name(hf_name) or super().param_name(hf_name)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        super().load_weights(weights)
+        check_experts_loaded(self)
