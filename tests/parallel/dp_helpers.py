@@ -26,7 +26,8 @@ def complete_concurrently(server: Server, prompts: list[list[int]], base_url: st
     JSON bodies, with the answering API server's index under "api_server"."""
 
     def one(prompt: list[int]) -> dict:
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS, "temperature": 0}
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS, "temperature": 0,
+                "skip_special_tokens": False}  # as /detokenize does
         response = server.post("/v1/completions", json=body) if base_url is None else _post(base_url, body)
         assert response.status_code == 200, response.text
         return {**response.json(), "api_server": response.headers["fleet-api-server"]}
