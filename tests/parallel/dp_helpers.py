@@ -17,7 +17,8 @@ def expected_texts(server: Server, model_dir: str, prompts: list[list[int]]) -> 
     always token-exact, so texts are compared; a streamed text holds back an
     incomplete UTF-8 character at its end, which /detokenize shows as U+FFFD."""
     oracle = hf_model(model_dir)
-    texts = [server.post("/detokenize", json={"tokens": greedy(oracle, p, MAX_TOKENS)}).json()["prompt"] for p in prompts]
+    tokens = [greedy(oracle, prompt, MAX_TOKENS) for prompt in prompts]
+    texts = [server.post("/detokenize", json={"tokens": t}).json()["prompt"] for t in tokens]
     return [text.rstrip("\ufffd") for text in texts]
 
 
@@ -42,7 +43,8 @@ def _post(base_url: str, body: dict):
     return httpx.post(base_url + "/v1/completions", json=body, timeout=120)
 
 
-def assert_greedy_over_http(server: Server, model_dir: str, count: int, seed: int, base_url: str | None = None) -> list[dict]:
+def assert_greedy_over_http(server: Server, model_dir: str, count: int, seed: int,
+                            base_url: str | None = None) -> list[dict]:
     prompts = random_prompts(count, 512, seed=seed, max_len=40)
     bodies = complete_concurrently(server, prompts, base_url)
     assert [b["choices"][0]["text"] for b in bodies] == expected_texts(server, model_dir, prompts)

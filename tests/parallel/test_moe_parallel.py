@@ -5,11 +5,12 @@ matches a single-rank run."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fleet
 from fleet import SamplingParams
@@ -124,6 +125,26 @@ def test_expert_parallel_across_data_parallel_replicas(tmp_path, tp):
     """DP=2 replicas x TP ranks form one EP group; each replica's tokens come
     back right whatever the other's count, and a step where no replica has a
     token runs no expert collective at all (a mismatch would time out)."""
-    config = ParallelConfig(data_parallel_size=2, tensor_parallel_size=tp, enable_expert_parallel=True)
+    config = _dp2_config(tp)
     assert config.expert_parallel_size == 2 * tp
-    mp.spawn(_rank_main, args=(config, os.fspath(tmp_path / "store")), nprocs=config.world_size, join=True)
+    # Plain subprocesses: multiprocessing would leave its resource tracker behind.
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_MAIN, str(rank), str(tp), os.fspath(tmp_path / "store")], cwd=REPO_ROOT
+        )
+        for rank in range(config.world_size)
+    ]
+    codes = [rank.wait(timeout=120) for rank in ranks]
+    assert codes == [0] * config.world_size
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RANK_MAIN = "import sys; from tests.parallel.test_moe_parallel import _rank_main_cli; _rank_main_cli(*sys.argv[1:])"
+
+
+def _dp2_config(tp: int) -> ParallelConfig:
+    return ParallelConfig(data_parallel_size=2, tensor_parallel_size=tp, enable_expert_parallel=True)
+
+
+def _rank_main_cli(rank: str, tp: str, store_file: str) -> None:
+    _rank_main(int(rank), _dp2_config(int(tp)), store_file)
