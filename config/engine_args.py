@@ -74,6 +74,7 @@ class _EngineArgsBase:
         model = _resolve_model(ModelConfig(**self._group("model")), load, device)
         parallel = ParallelConfig(**self._group("parallel")).resolve(is_moe=model.is_moe)
         _check_heads_divide(model, parallel)
+        _check_experts_divide(model, parallel)
         scheduler = _resolve_scheduler(SchedulerConfig(**self._group("scheduler")), model, device)
         cache = CacheConfig(**self._group("cache"))
         if cache.enable_prefix_caching is None:
@@ -147,6 +148,17 @@ def _check_heads_divide(model: ModelConfig, parallel: ParallelConfig) -> None:
         raise ValueError(
             f"--tensor-parallel-size {tp} must divide the model's {num_heads} attention heads "
             f"(num_attention_heads={num_heads}, tensor_parallel_size={tp})"
+        )
+
+
+def _check_experts_divide(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Refuse an expert split before any process starts (the layers check again)."""
+    ep = parallel.expert_parallel_size
+    if model.is_moe and parallel.enable_expert_parallel and model.num_experts % ep:
+        raise ValueError(
+            f"--enable-expert-parallel: the model's {model.num_experts} experts must divide over the "
+            f"expert-parallel size {ep} (--data-parallel-size {parallel.data_parallel_size} x "
+            f"--tensor-parallel-size {parallel.tensor_parallel_size})"
         )
 
 

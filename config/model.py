@@ -43,8 +43,13 @@ class ModelConfig:
     """The model's HF config.json (for GGUF files: built from its metadata)."""
 
     @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0 for a dense model)."""
+        return _num_experts(self.hf_config)
+
+    @property
     def is_moe(self) -> bool:
-        return _num_experts(self.hf_config) > 0
+        return self.num_experts > 0
 
     @property
     def is_gguf(self) -> bool:

@@ -265,3 +265,11 @@ def test_default_model_resolves_from_the_packaged_gguf(default_config):
 
 def test_default_model_config_round_trips(default_config):
     assert FleetConfig.decode(default_config.encode()) == default_config
+
+
+def test_experts_must_divide_over_the_expert_parallel_ranks(moe_config_dir):
+    # 4 experts: 2 replicas x 2 TP ranks own one each; 3 replicas cannot share them.
+    assert create(moe_config_dir, data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match=r"4 experts must divide over the expert-parallel size 3 \(--data-parallel-size 3"):
+        create(moe_config_dir, data_parallel_size=3, enable_expert_parallel=True)
+    assert create(moe_config_dir, data_parallel_size=3).parallel.expert_parallel_size == 1, "without EP: no constraint"

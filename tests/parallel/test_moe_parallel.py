@@ -51,9 +51,9 @@ def test_greedy_matches_transformers(request, model_fixture, tp, pp, ep):
 
 def test_experts_that_do_not_divide_over_expert_parallel_are_refused(tmp_path):
     model_dir = str(write_tiny_model(tmp_path / "mixtral3", "mixtral", seed=5, num_local_experts=3, **MOE_DIMS))
-    # Raised in the workers today (the engine reports it as ChildFailed, a RuntimeError).
-    with pytest.raises((ValueError, RuntimeError), match=r"--enable-expert-parallel: the model's 3 experts must "
-                       r"divide over the expert-parallel size 2 \(data-parallel x tensor-parallel\)"):
+    # Refused by create_config, before any process starts.
+    with pytest.raises(ValueError, match=r"--enable-expert-parallel: the model's 3 experts must divide over the "
+                       r"expert-parallel size 2 \(--data-parallel-size 1 x --tensor-parallel-size 2\)"):
         fleet.LLM(model_dir, dtype="float32", device="cpu", kv_cache_memory_bytes="2M", tensor_parallel_size=2,
                   enable_expert_parallel=True)
     assert_no_fleet_processes()
