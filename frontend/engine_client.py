@@ -213,7 +213,8 @@ class EngineClient:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        for identity in self.engine_identities:
+        # Only engines we started are ours to stop: a launcher's engines serve its other API servers too.
+        for identity in self.engine_identities if self.engines else []:
             try:
                 self.requests.send_multipart([identity, serial.encode(Shutdown("client shutting down"))], zmq.NOBLOCK)
             except zmq.ZMQError:

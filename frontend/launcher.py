@@ -121,12 +121,15 @@ class Launcher:
         self.stop_requested = signal.Signals(signum).name
 
     def _stop_all(self, timeout: float) -> None:
-        """SIGTERM everyone at once (API servers drain, engines stop), then
-        SIGKILL what is left after `timeout`."""
-        for child in self.children:
-            if child.alive():
-                child.popen.terminate()
-        ipc.stop_all(self.children, timeout)
+        """SIGTERM the API servers first and give them `timeout` to finish
+        the requests they hold (the engines must live for that), then
+        SIGTERM the rest; SIGKILL whatever is left 2 s later."""
+        api_servers = [child for child in self.children if child.name.startswith("fleet-api-")]
+        for group, grace in ((api_servers, timeout), (self.children, 2.0)):
+            for child in group:
+                if child.alive():
+                    child.popen.terminate()
+            ipc.stop_all(group, grace)
 
 
 def launch(config: FleetConfig) -> int:

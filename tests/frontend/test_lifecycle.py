@@ -25,6 +25,21 @@ def test_sigterm_stops_every_process_in_time(tiny_llama_dir):
     assert time.monotonic() - started < 3 + 5
 
 
+def test_sigterm_lets_requests_in_flight_finish_before_the_engines_stop(tiny_llama_dir):
+    server = launch(str(tiny_llama_dir), "--dp", "2", "--api-server-count", "2", "--shutdown-timeout", "30")
+    body = {"prompt": "hello", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert '"text"' in first
+    assert rest[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in rest[-2].replace(" ", ""), rest[-2]
+    assert server.proc.wait(timeout=30) == 0
+    server.assert_nothing_left()
+
+
 def test_engine_sigkill_fails_health_and_the_launcher(tiny_llama_dir):
     server = launch(str(tiny_llama_dir))
     (engine,) = server.children_named("fleet-engine-dp0")
