@@ -55,6 +55,12 @@ class Server:
         self.assert_nothing_left()
         return code
 
+    def close(self) -> None:
+        """Stop the server if it still runs (a test may have killed it) and check that nothing is left."""
+        if self.proc.poll() is None:
+            self.stop()
+        self.assert_nothing_left()
+
     def kill(self) -> None:
         for p in [*psutil.Process(self.proc.pid).children(recursive=True), psutil.Process(self.proc.pid)]:
             try:

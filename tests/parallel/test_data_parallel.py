@@ -20,9 +20,7 @@ TINY = ("--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "2M"
 def dense_dp2_server(tiny_llama_dir):
     server = Server(tiny_llama_dir, "--dp", "2", "--api-server-count", "2", *TINY)
     yield server
-    if server.proc.poll() is None:
-        server.stop()
-    server.assert_nothing_left()
+    server.close()
 
 
 def test_dense_dp2_gives_the_oracle_tokens_and_spreads_the_load(dense_dp2_server, tiny_llama_dir):

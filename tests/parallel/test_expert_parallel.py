@@ -26,9 +26,7 @@ def ep_tp4_dp2_server(tiny_mixtral_dir):
         startup_timeout=300,
     )  # fmt: skip
     yield server
-    if server.proc.poll() is None:
-        server.stop()
-    server.assert_nothing_left()
+    server.close()
 
 
 def test_tp4_dp2_expert_parallel_gives_the_oracle_tokens_through_both_api_servers(ep_tp4_dp2_server, tiny_mixtral_dir):

@@ -48,9 +48,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused(tiny_llama_dir):
 def tp2_pp2_server(tiny_llama_dir):
     server = Server(str(tiny_llama_dir), "--tp", "2", "--pp", "2", "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "2M")
     yield server
-    if server.proc.poll() is None:
-        server.stop()
-    server.assert_nothing_left()
+    server.close()
 
 
 def test_http_greedy_over_tp2_pp2(tp2_pp2_server, tiny_llama_dir):
