@@ -96,7 +96,8 @@ class Coordinator:
         self.waves = WaveState(self.num_engines)
         self.num_waiting = [0] * self.num_engines
         self.num_running = [0] * self.num_engines
-        self.store = self._host_store() if config.parallel.replicas_step_together else None
+        # Lock-step workers of a multi-node job meet at node 0's job store instead.
+        self.store = self._host_store() if config.parallel.replicas_step_together and config.parallel.nnodes == 1 else None
 
     def _host_store(self):
         """The job-wide TCPStore of lock-step workers, at --master-addr and

@@ -285,7 +285,7 @@ class EngineCoreProcess:
         pushes = [ipc.make_socket(self.ctx, zmq.PUSH, connect=a) for a in self.info.output_addresses]
         for dealer in dealers:
             # Hello, with our pid so that clients can watch us: a ROUTER routes only to peers it has heard from.
-            dealer.send(str(os.getpid()).encode())
+            dealer.send(str(self._pid_for_clients()).encode())
         subscribers = []
         if self.info.coordinator is not None:
             # The main thread owns the PUSH; the input thread the SUB (a zmq socket is single-threaded).
@@ -296,6 +296,14 @@ class EngineCoreProcess:
         threading.Thread(target=self._input_thread, args=(dealers, subscribers), name="engine-input", daemon=True).start()
         self._pushes = pushes
         threading.Thread(target=self._output_thread, name="engine-output", daemon=True).start()
+
+    def _pid_for_clients(self) -> int:
+        """Our pid, or 0 when the clients run on another node (node 0 of an
+        internal-LB job) and cannot watch it; they learn of our death there
+        from the job's heartbeat."""
+        parallel = self.info.config.parallel
+        internal_lb = not (parallel.data_parallel_hybrid_lb or parallel.data_parallel_external_lb)
+        return 0 if parallel.nnodes > 1 and parallel.node_rank != 0 and internal_lb else os.getpid()
 
     def _input_thread(self, dealers: list[zmq.Socket], subscribers: list[zmq.Socket]) -> None:
         client_decoder = serial.Decoder(EngineInput, f"{self.name} input")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,10 +38,24 @@ class ChildFailed(RuntimeError):
     pass
 
 
+class NodeMissing(RuntimeError):
+    """Another node of a multi-node job did not join, or stopped answering; the message names it."""
+
+
 def new_ipc_address(tag: str) -> str:
     """A fresh ipc:// path in a private directory (no port races)."""
     directory = os.environ.get("FLEET_IPC_DIR") or tempfile.gettempdir()
     return f"ipc://{directory}/fleet-{tag}-{uuid.uuid4().hex[:12]}.sock"
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent)."""
+    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
 
 
 def bind_tcp(socket: zmq.Socket, host: str, port: int = 0) -> str:
@@ -181,22 +196,29 @@ def spawn(module: str, name: str, info: Any, pass_fds: tuple[int, ...] = ()) -> 
 class HandshakeListener:
     """Collects Ready/StartupFailed from children, under one deadline."""
 
-    def __init__(self, ctx: zmq.Context):
-        self.address = new_ipc_address("handshake")
-        self._sock = make_socket(ctx, zmq.PULL, bind=self.address)
+    def __init__(self, ctx: zmq.Context, tcp_host: str | None = None):
+        """On ipc://, or on `tcp_host` (any free port) when processes of other nodes report here."""
+        self._sock = make_socket(ctx, zmq.PULL)
+        if tcp_host is None:
+            self.address = new_ipc_address("handshake")
+            self._sock.bind(self.address)
+        else:
+            self.address = bind_tcp(self._sock, tcp_host)
         self._decoder = serial.Decoder(Handshake, "handshake")
 
-    def wait_all(self, children: list[ChildProcess], timeout: float) -> dict[str, Ready]:
-        """Ready of every child, or raise naming who failed or did not answer."""
+    def wait_all(self, children: list[ChildProcess], timeout: float, remote: list[str] = ()) -> dict[str, Ready]:
+        """Ready of every child (and of the `remote` processes, which other
+        nodes started), or raise naming who failed or did not answer."""
         ready: dict[str, Ready] = {}
+        expected = [c.name for c in children] + list(remote)
         deadline = time.monotonic() + timeout
-        while len(ready) < len(children):
+        while len(ready) < len(expected):
             for child in children:
                 if child.name not in ready and not child.alive():
                     raise ChildFailed(f"{child.describe_exit()} before it was ready")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = [c.name for c in children if c.name not in ready]
+                missing = [name for name in expected if name not in ready]
                 raise StartupTimeout(f"no Ready within {timeout:.0f} s from: {', '.join(missing)}")
             if self._sock.poll(min(100, int(remaining * 1000) + 1)):
                 message = self._decoder.decode(self._sock.recv())

@@ -132,7 +132,7 @@ class EngineClient:
                 raise EngineDeadError("engine cores did not say hello on the request socket")
             identity, hello = self.requests.recv_multipart()
             self.engine_identities.append(identity)
-            if not self.engines:  # not our children: watch them by the pid they said hello with
+            if not self.engines and int(hello):  # not our children: watch them by the pid they said hello with
                 self.foreign_engines.append(ipc.ForeignProcess(f"fleet-engine-dp{int.from_bytes(identity, 'little')}", int(hello)))
         self.engine_identities.sort()
 

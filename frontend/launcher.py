@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import signal
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -15,13 +16,23 @@ from fleet.core import ipc
 from fleet.core.dp_coordinator import CoordinatorAddresses, CoordinatorStartupInfo
 from fleet.core.engine_core import EngineCoreStartupInfo
 from fleet.frontend.api_server import APIServerStartupInfo, listening_socket
-from fleet.frontend.engine_client import ClientAddresses
-from fleet.frontend.plan import coordinator_addresses, engines_use_coordinator, runs_dp_coordinator
-from fleet.parallel.dims import node_engine_ranks
+from fleet.frontend.plan import (
+    api_server_addresses,
+    coordinator_addresses,
+    engines_per_api_server,
+    engines_use_coordinator,
+    runs_dp_coordinator,
+)
+from fleet.parallel.dims import node_engine_ranks, replicas_served_from_elsewhere
+
+if TYPE_CHECKING:
+    from fleet.parallel.job_store import JobStore
+
 
 logger = logging.getLogger("fleet.launch")
 
 SUPERVISE_INTERVAL_S = 0.2
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 class Launcher:
@@ -30,6 +41,8 @@ class Launcher:
         self.children: list[ipc.ChildProcess] = []
         self.stop_requested: str | None = None
         self.url = "(headless: no HTTP)"
+        self.job: JobStore | None = None
+        """The multi-node job store (--nnodes > 1)."""
 
     def run(self) -> int:
         """Start, supervise, stop; the exit code of `fleet launch`."""
@@ -38,7 +51,7 @@ class Launcher:
         start = time.monotonic()
         try:
             self._start()
-        except (ipc.ChildFailed, ipc.StartupTimeout, OSError) as error:
+        except (ipc.ChildFailed, ipc.StartupTimeout, ipc.NodeMissing, OSError) as error:
             logger.error("start-up failed: %s", error)
             self._stop_all(timeout=2.0)
             return 1
@@ -46,6 +59,8 @@ class Launcher:
         return self._supervise()
 
     def _start(self) -> None:
+        if self.config.parallel.nnodes > 1:
+            self.job = self._join_job()
         ctx = zmq.Context()
         handshake = ipc.HandshakeListener(ctx)
         try:
@@ -54,6 +69,17 @@ class Launcher:
         finally:
             handshake.close()
             ctx.destroy(linger=0)
+
+    def _join_job(self) -> JobStore:
+        from fleet.parallel.job_store import JobStore  # imports torch: multi-node launches only
+
+        parallel = self.config.parallel
+        role = "serves HTTP" if not parallel.headless else "headless"
+        logger.info("node %d of %d (%s): meeting at %s:%d", parallel.node_rank, parallel.nnodes, role,
+                    parallel.master_addr, parallel.master_port)
+        job = JobStore.for_launcher(parallel)
+        job.join()
+        return job
 
     def _start_coordinator(self, handshake: ipc.HandshakeListener) -> CoordinatorAddresses:
         """Start the DP coordinator first: engines and API servers need its
@@ -77,13 +103,20 @@ class Launcher:
             coordinator = coordinator_addresses(config.parallel)  # on the launch of rank 0: connect there
         engines_coordinator = coordinator if engines_use_coordinator(config.parallel) else None
         load_address = coordinator.loads if runs_dp_coordinator(config.parallel) else None
-        clients = [ClientAddresses.new() for _ in range(frontend.api_server_count)] if not config.parallel.headless else []
-        http = listening_socket(frontend.host, frontend.port) if clients else None
+        serves_http = not config.parallel.headless
+        # A headless node's engines answer node 0's API servers.
+        clients = api_server_addresses(config.parallel, frontend.api_server_count)
+        if not serves_http and config.parallel.nnodes == 1:
+            clients = []
+        http = listening_socket(frontend.host, frontend.port) if serves_http else None
         if http is not None:  # --port 0 binds any free port: say which
             self.url = f"http://{frontend.host}:{http.getsockname()[1]}"
         started: list[ipc.ChildProcess] = []
-        for index, addresses in enumerate(clients):
-            info = APIServerStartupInfo(config, index, addresses, len(engine_ranks), http.fileno(), handshake.address, load_address)
+        for index, addresses in enumerate(clients if serves_http else []):
+            info = APIServerStartupInfo(
+                config, index, addresses, engines_per_api_server(config.parallel), http.fileno(), handshake.address,
+                load_address,
+            )
             started.append(ipc.spawn("fleet.frontend.api_server", f"fleet-api-{index}", info, pass_fds=(http.fileno(),)))
         for dp_rank in engine_ranks:
             info = EngineCoreStartupInfo(
@@ -96,6 +129,7 @@ class Launcher:
             )
             started.append(ipc.spawn("fleet.core.engine_core", f"fleet-engine-dp{dp_rank}", info))
         self.children.extend(started)
+        self._start_workers_of_remote_engines()
         ready = handshake.wait_all(started, config.parallel.distributed_timeout_seconds)
         if http is not None:
             http.close()  # the API servers hold their own copies
@@ -105,13 +139,31 @@ class Launcher:
                 concurrency = capacity.num_tokens / config.model.max_model_len
                 logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name, capacity.num_tokens, concurrency, config.model.max_model_len)
 
+    def _start_workers_of_remote_engines(self) -> None:
+        """Workers on this node of replicas whose engine core runs on another
+        node: they report to that engine once it published its addresses."""
+        from fleet.workers.executor import ReplicaAddresses, spawn_workers
+
+        for dp_rank in replicas_served_from_elsewhere(self.config.parallel):
+            addresses = self.job.lookup(f"replica/{dp_rank}/executor", ReplicaAddresses)
+            self.children.extend(spawn_workers(self.config, dp_rank, addresses))
+
     def _supervise(self) -> int:
+        next_beat = 0.0
         while self.stop_requested is None:
             dead = [child for child in self.children if not child.alive()]
             if dead:
                 logger.error("%s: shutting the node down", "; ".join(child.describe_exit() for child in dead))
-                self._stop_all(timeout=2.0)
+                self._stop_all(timeout=2.0, engines_first=True)
                 return 1
+            if self.job is not None and time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
+                try:
+                    self.job.beat()
+                except ipc.NodeMissing as error:
+                    logger.error("%s: shutting the node down", error)
+                    self._stop_all(timeout=2.0, engines_first=True)
+                    return 1
             time.sleep(SUPERVISE_INTERVAL_S)
         logger.info("%s: shutting down", self.stop_requested)
         self._stop_all(timeout=self.config.frontend.shutdown_timeout)
@@ -120,12 +172,17 @@ class Launcher:
     def _request_stop(self, signum: int, _frame) -> None:
         self.stop_requested = signal.Signals(signum).name
 
-    def _stop_all(self, timeout: float) -> None:
-        """SIGTERM the API servers first and give them `timeout` to finish
-        the requests they hold (the engines must live for that), then
-        SIGTERM the rest; SIGKILL whatever is left 2 s later."""
+    def _stop_all(self, timeout: float, engines_first: bool = False) -> None:
+        """Graceful (SIGTERM): the API servers first, with `timeout` to finish
+        the requests they hold (the engines must live for that), then the
+        rest. After a failure (`engines_first`): the engines first, so that
+        the API servers see them gone and fail what is in flight with an
+        error instead of leaving it hanging. SIGKILL whatever is left 2 s
+        after its SIGTERM."""
         api_servers = [child for child in self.children if child.name.startswith("fleet-api-")]
-        for group, grace in ((api_servers, timeout), (self.children, 2.0)):
+        others = [child for child in self.children if child not in api_servers]
+        order = ((others, 2.0), (api_servers, timeout)) if engines_first else ((api_servers, timeout), (others, 2.0))
+        for group, grace in order:
             for child in group:
                 if child.alive():
                     child.popen.terminate()

@@ -10,6 +10,7 @@ from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
 from fleet.core import ipc
 from fleet.core.dp_coordinator import CoordinatorAddresses
+from fleet.frontend.engine_client import ClientAddresses
 from fleet.parallel.dims import coord_of, node_engine_ranks, node_worker_ranks, parallel_groups
 
 
@@ -44,9 +45,35 @@ def coordinator_addresses(parallel: ParallelConfig) -> CoordinatorAddresses:
     return CoordinatorAddresses(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}", ipc.new_ipc_address("coord-loads"))
 
 
+def is_internal_lb(parallel: ParallelConfig) -> bool:
+    return not (parallel.data_parallel_hybrid_lb or parallel.data_parallel_external_lb)
+
+
 def engines_use_coordinator(parallel: ParallelConfig) -> bool:
-    """Engines report to the coordinator when it runs beside them, and lock-step engines wherever they run."""
-    return runs_dp_coordinator(parallel) or parallel.replicas_step_together
+    """Engines report to the coordinator when it runs beside them, lock-step
+    engines wherever they run, and every engine of an internal-LB job (its
+    API servers balance over all of them)."""
+    internal_dp = parallel.data_parallel_size > 1 and is_internal_lb(parallel)
+    return runs_dp_coordinator(parallel) or parallel.replicas_step_together or internal_dp
+
+
+def api_server_addresses(parallel: ParallelConfig, count: int) -> list[ClientAddresses]:
+    """Where node 0's API servers take requests from engines. ipc:// when
+    every engine they serve is on this node; for an internal-LB job over
+    several nodes, fixed TCP ports on node 0 after the coordinator's two
+    (--data-parallel-rpc-port + 2 + 2i and + 3 + 2i for API server i), which
+    every node computes alike."""
+    if parallel.nnodes == 1 or not is_internal_lb(parallel):
+        return [ClientAddresses.new() for _ in range(count)]
+    host, base = parallel.data_parallel_address, parallel.data_parallel_rpc_port + 2
+    return [ClientAddresses(f"tcp://{host}:{base + 2 * i}", f"tcp://{host}:{base + 2 * i + 1}") for i in range(count)]
+
+
+def engines_per_api_server(parallel: ParallelConfig) -> int:
+    """Internal LB: every engine of the job; hybrid/external: this launch's own."""
+    if is_internal_lb(parallel):
+        return parallel.data_parallel_size
+    return parallel.data_parallel_size_local
 
 
 def node_processes(config: FleetConfig) -> list[dict[str, Any]]:

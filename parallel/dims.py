@@ -81,3 +81,21 @@ def node_engine_ranks(config: ParallelConfig) -> list[int]:
     first_dp = config.data_parallel_rank or 0
     local = config.data_parallel_size_local or config.data_parallel_size
     return [dp for dp in range(first_dp, first_dp + local) if dp * config.replica_size in workers]
+
+
+def engine_node(config: ParallelConfig, dp_rank: int) -> int:
+    """The node that runs replica `dp_rank`'s engine core: that of its first worker."""
+    if config.nnodes == 1:
+        return config.node_rank
+    return dp_rank * config.replica_size // config.world_size_local
+
+
+def replicas_served_from_elsewhere(config: ParallelConfig) -> list[int]:
+    """Data-parallel ranks with workers on this node whose engine core runs on
+    another node (a replica that spans nodes)."""
+    here = sorted({coord_of(config, rank).dp for rank in node_worker_ranks(config)})
+    return [dp for dp in here if engine_node(config, dp) != config.node_rank]
+
+
+def replica_spans_nodes(config: ParallelConfig) -> bool:
+    return config.nnodes > 1 and config.replica_size > config.world_size_local

@@ -11,11 +11,15 @@ coordinator. Either way all members create every group in the same order
 from __future__ import annotations
 
 import dataclasses
+import os
 from datetime import timedelta
+
+import psutil
 
 import torch.distributed as dist
 
 from fleet.config.fleet import FleetConfig
+from fleet.core import ipc
 from fleet.parallel.comm import GroupCoordinator, set_dp_group, set_ep_group, set_pp_group, set_tp_group
 from fleet.parallel.dims import parallel_groups
 
@@ -26,21 +30,39 @@ def init_worker_groups(config: FleetConfig, dp_rank: int, rank: int, store_host:
     world of one worker touches nothing."""
     parallel = config.parallel
     if parallel.replicas_step_together:
-        layout, world_rank = parallel, dp_rank * parallel.replica_size + rank
+        layout, world_rank, world = parallel, dp_rank * parallel.replica_size + rank, "job"
         store_host, store_port = parallel.master_addr, parallel.master_port
     else:
-        layout, world_rank = dataclasses.replace(parallel, data_parallel_size=1), rank
+        layout, world_rank, world = dataclasses.replace(parallel, data_parallel_size=1), rank, f"replica{dp_rank}"
     world_size = layout.world_size
     if world_size == 1:
         return
     timeout = timedelta(seconds=parallel.distributed_timeout_seconds)
+    if parallel.nnodes > 1:  # every world of the job lives in node 0's job store, under its own prefix
+        _pin_gloo_to_the_route_to(parallel.master_addr)
+        store_host, store_port = parallel.master_addr, parallel.master_port
     store = dist.TCPStore(store_host, store_port, world_size=world_size, is_master=False, timeout=timeout)
+    if parallel.nnodes > 1:
+        store = dist.PrefixStore(f"{world}/", store)
     dist.init_process_group(config.device.distributed_backend, store=store, rank=world_rank, world_size=world_size, timeout=timeout)
     groups = parallel_groups(layout)
     set_tp_group(_member_group(groups.tp, world_rank))
     set_pp_group(_member_group(groups.pp, world_rank))
     set_dp_group(_member_group(groups.dp, world_rank))
     set_ep_group(_member_group(groups.ep, world_rank))
+
+
+def _pin_gloo_to_the_route_to(host: str) -> None:
+    """Gloo picks its interface from the hostname, which may not be the one
+    the other nodes reach: use the interface that routes to node 0, unless
+    the user chose one (GLOO_SOCKET_IFNAME)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    address = ipc.address_towards(host)
+    for interface, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+            return
 
 
 def _member_group(all_groups: list[list[int]], rank: int) -> GroupCoordinator:

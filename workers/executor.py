@@ -13,9 +13,11 @@ import logging
 import time
 from typing import Any
 
+import msgspec
 import zmq
 
 from fleet.config.fleet import FleetConfig
+from fleet.config.parallel import ParallelConfig
 from fleet.core import ipc, serial
 from fleet.core.messages import (
     KVCapacity,
@@ -27,7 +29,7 @@ from fleet.core.messages import (
     WorkerUtilityCall,
     WorkerUtilityResult,
 )
-from fleet.parallel.dims import coord_of, node_worker_ranks
+from fleet.parallel.dims import coord_of, node_worker_ranks, replica_spans_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -71,34 +73,74 @@ class UniExecutor(Executor):
         pass
 
 
+class ReplicaAddresses(msgspec.Struct):
+    """Where the workers of one replica reach its executor (published in the
+    job store when the replica spans nodes)."""
+
+    plans: str
+    results: str
+    handshake: str
+    store_host: str = ""
+    store_port: int = 0
+    """The executor's TCPStore for the replica's world; empty when the job's or the coordinator's is used."""
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: FleetConfig, dp_rank: int):
         self.config = config
         self.dp_rank = dp_rank
         self.ctx = zmq.Context()
-        self.plans = ipc.make_socket(self.ctx, zmq.XPUB, bind=ipc.new_ipc_address("plans"))
+        parallel = config.parallel
+        # Workers on other nodes need TCP; local ones are faster on ipc://.
+        self.tcp_host = _node_address(parallel) if replica_spans_nodes(parallel) else None
+        self.plans = self._bind(zmq.XPUB, "plans")
         self.plans.setsockopt(zmq.XPUB_VERBOSE, 1)
-        self.results = ipc.make_socket(self.ctx, zmq.PULL, bind=ipc.new_ipc_address("results"))
+        self.results = self._bind(zmq.PULL, "results")
         self.decoder = serial.Decoder(WorkerOutput, "worker results")
         self.workers: list[ipc.ChildProcess] = []
         self.call_ids = itertools.count()
 
+    def _bind(self, kind: int, tag: str) -> zmq.Socket:
+        sock = ipc.make_socket(self.ctx, kind)
+        if self.tcp_host is None:
+            sock.bind(ipc.new_ipc_address(tag))
+        else:
+            ipc.bind_tcp(sock, self.tcp_host)
+        return sock
+
     def start(self) -> KVCapacity:
         parallel = self.config.parallel
-        # Replicas that step together meet in one world, at the coordinator's store.
-        hosts_store = parallel.replica_size > 1 and not parallel.replicas_step_together
-        store = self._host_store() if hosts_store else ("", 0)
-        handshake = ipc.HandshakeListener(self.ctx)
+        # Lock-step replicas meet at the coordinator's store, multi-node jobs at node 0's job store.
+        hosts_store = parallel.replica_size > 1 and not parallel.replicas_step_together and parallel.nnodes == 1
+        store_host, store_port = self._host_store() if hosts_store else ("", 0)
+        handshake = ipc.HandshakeListener(self.ctx, self.tcp_host)
         try:
-            self._spawn_workers(handshake.address, store)
-            ready = handshake.wait_all(self.workers, self.config.parallel.distributed_timeout_seconds)
+            addresses = ReplicaAddresses(
+                plans=self.plans.getsockopt_string(zmq.LAST_ENDPOINT),
+                results=self.results.getsockopt_string(zmq.LAST_ENDPOINT),
+                handshake=handshake.address,
+                store_host=store_host,
+                store_port=store_port,
+            )
+            if self.tcp_host is not None:
+                self._publish(addresses)
+            self.workers = spawn_workers(self.config, self.dp_rank, addresses)
+            remote = [_worker_name(parallel, rank) for rank in _replica_ranks(parallel, self.dp_rank)
+                      if rank not in node_worker_ranks(parallel)]
+            ready = handshake.wait_all(self.workers, parallel.distributed_timeout_seconds, remote)
         finally:
             handshake.close()
-        self._wait_for_subscribers(len(self.workers))
+        self._wait_for_subscribers(parallel.replica_size)
         # Every worker must fit the same number of blocks: the smallest wins.
         num_blocks = min(r.kv_capacity.num_blocks for r in ready.values() if r.kv_capacity)
         self.call("init_kv_cache", [num_blocks])
         return KVCapacity(num_blocks, self.config.cache.block_size)
+
+    def _publish(self, addresses: ReplicaAddresses) -> None:
+        """For the launchers of the other nodes, which start this replica's workers there."""
+        from fleet.parallel.job_store import JobStore  # torch: only for replicas that span nodes
+
+        JobStore.client(self.config.parallel).publish(f"replica/{self.dp_rank}/executor", addresses)
 
     def _host_store(self) -> tuple[str, int]:
         """The TCPStore where the workers meet, bound here to port 0 (or
@@ -115,30 +157,6 @@ class MultiprocExecutor(Executor):
             timeout=timedelta(seconds=parallel.distributed_timeout_seconds),
         )
         return parallel.master_addr, self._store.port
-
-    def _spawn_workers(self, handshake_address: str, store: tuple[str, int]) -> None:
-        from fleet.workers.worker import WorkerStartupInfo
-
-        parallel = self.config.parallel
-        first = self.dp_rank * parallel.replica_size
-        # Devices and CPU threads are shared by every worker of this launch, not only this replica's.
-        node_workers = node_worker_ranks(parallel)
-        for rank in range(first, first + parallel.replica_size):
-            coord = coord_of(parallel, rank)
-            info = WorkerStartupInfo(
-                config=self.config,
-                dp_rank=self.dp_rank,
-                rank=rank - first,
-                local_rank=rank - node_workers.start,
-                num_local_workers=len(node_workers),
-                handshake_address=handshake_address,
-                plan_address=self.plans.getsockopt_string(zmq.LAST_ENDPOINT),
-                result_address=self.results.getsockopt_string(zmq.LAST_ENDPOINT),
-                store_host=store[0],
-                store_port=store[1],
-            )
-            name = f"fleet-worker-dp{coord.dp}-pp{coord.pp}-tp{coord.tp}"
-            self.workers.append(ipc.spawn("fleet.workers.worker", name, info))
 
     def _wait_for_subscribers(self, count: int) -> None:
         """XPUB hears each subscription: once all workers subscribed, no plan is lost."""
@@ -203,6 +221,49 @@ class MultiprocExecutor(Executor):
         # Workers stuck in a collective with a dead peer never read Shutdown: all get one deadline.
         ipc.stop_all(self.workers, grace=5.0, terminate_now=any(not w.alive() for w in self.workers))
         self.ctx.destroy(linger=0)
+
+
+def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses) -> list[ipc.ChildProcess]:
+    """Start this node's workers of replica `dp_rank` (all of them unless
+    the replica spans nodes); they report Ready to the replica's executor."""
+    from fleet.workers.worker import WorkerStartupInfo
+
+    parallel = config.parallel
+    first = dp_rank * parallel.replica_size
+    # Devices and CPU threads are shared by every worker of this node, not only this replica's.
+    node_workers = node_worker_ranks(parallel)
+    workers = []
+    for rank in _replica_ranks(parallel, dp_rank):
+        if rank not in node_workers:
+            continue
+        info = WorkerStartupInfo(
+            config=config,
+            dp_rank=dp_rank,
+            rank=rank - first,
+            local_rank=rank - node_workers.start,
+            num_local_workers=len(node_workers),
+            handshake_address=addresses.handshake,
+            plan_address=addresses.plans,
+            result_address=addresses.results,
+            store_host=addresses.store_host,
+            store_port=addresses.store_port,
+        )
+        workers.append(ipc.spawn("fleet.workers.worker", _worker_name(parallel, rank), info))
+    return workers
+
+
+def _replica_ranks(parallel: ParallelConfig, dp_rank: int) -> range:
+    return range(dp_rank * parallel.replica_size, (dp_rank + 1) * parallel.replica_size)
+
+
+def _worker_name(parallel: ParallelConfig, rank: int) -> str:
+    coord = coord_of(parallel, rank)
+    return f"fleet-worker-dp{coord.dp}-pp{coord.pp}-tp{coord.tp}"
+
+
+def _node_address(parallel: ParallelConfig) -> str:
+    """This node's address for peers on other nodes: --master-addr on node 0."""
+    return parallel.master_addr if parallel.node_rank == 0 else ipc.address_towards(parallel.master_addr)
 
 
 EXECUTORS = {"uni": UniExecutor, "mp": MultiprocExecutor}

@@ -15,6 +15,8 @@ from fleet.parallel.dims import (
     node_engine_ranks,
     node_worker_ranks,
     parallel_groups,
+    replica_spans_nodes,
+    replicas_served_from_elsewhere,
 )
 
 
@@ -154,3 +156,19 @@ def test_external_launch_runs_one_replica():
     config = resolved(is_moe=True, tensor_parallel_size=2, data_parallel_size=4, data_parallel_rank=3)
     assert list(node_worker_ranks(config)) == [6, 7]
     assert node_engine_ranks(config) == [3]
+
+
+@pytest.mark.parametrize(
+    "fields,node_rank,engines,served_elsewhere",
+    [
+        (dict(data_parallel_size=2, tensor_parallel_size=2), 1, [1], []),  # a replica per node
+        (dict(tensor_parallel_size=4), 0, [0], []),  # one replica over two nodes: its engine on node 0
+        (dict(tensor_parallel_size=4), 1, [], [0]),
+        (dict(pipeline_parallel_size=2), 1, [], [0]),
+    ],
+)
+def test_engines_and_replicas_of_a_two_node_job(fields, node_rank, engines, served_elsewhere):
+    config = ParallelConfig(nnodes=2, node_rank=node_rank, **fields).resolve(is_moe=False)
+    assert node_engine_ranks(config) == engines
+    assert replicas_served_from_elsewhere(config) == served_elsewhere
+    assert replica_spans_nodes(config) == (config.replica_size > config.world_size_local)

@@ -16,18 +16,26 @@ import psutil
 class Server:
     """A `fleet launch` subprocess on a free port (the launcher binds port 0 and logs the URL)."""
 
-    def __init__(self, *args: str, startup_timeout: float = 120.0):
+    def __init__(self, *args: str, startup_timeout: float = 120.0, prefix: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, wait: bool = True):
+        """`prefix` runs the launcher under another command (`ip netns exec NS`);
+        `wait=False` returns at once (call wait_ready later)."""
         self.log: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleet.frontend.cli", "launch", *args, "--port", "0"],
+            [*prefix, sys.executable, "-m", "fleet.frontend.cli", "launch", *args, "--port", "0"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self._url_found = threading.Event()
         self.url = ""
         threading.Thread(target=self._read_log, daemon=True).start()
+        self.descendants: list[psutil.Process] = []
+        if wait:
+            self.wait_ready(startup_timeout)
+
+    def wait_ready(self, startup_timeout: float = 120.0) -> None:
         if not self._url_found.wait(startup_timeout):
             self.kill()
             raise RuntimeError("server did not start:\n" + "".join(self.log[-40:]))
@@ -36,9 +44,9 @@ class Server:
     def _read_log(self) -> None:
         for line in self.proc.stdout:
             self.log.append(line)
-            match = re.search(r"serving .* on (http://\S+)", line)
+            match = re.search(r"serving .* on (http://\S+|\(headless)", line)
             if match:
-                self.url = match.group(1)
+                self.url = match.group(1) if match.group(1).startswith("http") else ""
                 self._url_found.set()
 
     @property
