@@ -1,0 +1,154 @@
+"""Two nodes emulated on this machine: each `fleet launch` runs in its own
+network namespace with its own address (ip netns, veth pairs on a bridge),
+or, without the rights for that, on 127.0.0.1 with separate IPC
+directories (also with FLEET_TEST_NETNS=0). Greedy outputs through node 0's HTTP are compared with
+transformers; start order, a missing node and a dying node are exercised."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.frontend.server import Server
+from tests.parallel.dp_helpers import assert_greedy_over_http
+from tests.parallel.test_expert_parallel import free_port_pair
+
+pytestmark = pytest.mark.slow
+
+TINY = ("--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "2M")
+
+
+@dataclass
+class Node:
+    address: str
+    prefix: tuple[str, ...] = ()
+    """Command prefix that puts a process in the node's network namespace."""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+class NetworkNamespaces:
+    """Two namespaces on a bridge: 10.N.0.1 and 10.N.0.2, this process at 10.N.0.254."""
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 10000
+        self.bridge, self.namespaces = f"flbr{tag}", [f"flns{tag}-{i}" for i in range(2)]
+        subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{subnet}.254/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        self.nodes = []
+        for i, namespace in enumerate(self.namespaces):
+            outside, inside = f"flv{tag}-{i}", f"flp{tag}-{i}"
+            _ip("netns", "add", namespace)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            _ip("link", "set", inside, "netns", namespace)
+            _ip("link", "set", outside, "master", self.bridge)
+            _ip("link", "set", outside, "up")
+            _ip("-n", namespace, "addr", "add", f"{subnet}.{i + 1}/24", "dev", inside)
+            _ip("-n", namespace, "link", "set", inside, "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+            self.nodes.append(Node(f"{subnet}.{i + 1}", ("ip", "netns", "exec", namespace)))
+
+    def remove(self) -> None:
+        for namespace in self.namespaces:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    namespaces = None
+    if os.geteuid() == 0 and shutil.which("ip") and os.environ.get("FLEET_TEST_NETNS", "1") != "0":
+        try:
+            namespaces = NetworkNamespaces()
+        except subprocess.CalledProcessError:
+            namespaces = None
+    if namespaces is not None:
+        yield namespaces.nodes
+        namespaces.remove()
+        return
+    ipc_dirs = [tmp_path_factory.mktemp(f"node{i}") for i in range(2)]
+    yield [Node("127.0.0.1", env={"FLEET_IPC_DIR": str(d)}) for d in ipc_dirs]
+
+
+def job_args(model_dir: str, nodes: list[Node], *layout: str, timeout: int = 120) -> tuple[str, ...]:
+    return (
+        model_dir, *layout, "--nnodes", "2", "--master-addr", nodes[0].address,
+        "--master-port", str(free_port_pair()), "--data-parallel-rpc-port", str(free_port_pair()),
+        "--distributed-timeout-seconds", str(timeout), *TINY,
+    )  # fmt: skip
+
+
+def start_node(nodes: list[Node], rank: int, args: tuple[str, ...], wait: bool = False) -> Server:
+    node = nodes[rank]
+    return Server(*args, "--node-rank", str(rank), "--host", node.address, prefix=node.prefix, env=node.env, wait=wait)
+
+
+def stop(servers: list[Server]) -> None:
+    for server in servers:
+        if server.proc.poll() is None:
+            server.proc.terminate()
+    for server in servers:
+        server.proc.wait(60)
+        server.assert_nothing_left()
+
+
+@pytest.mark.parametrize("layout", [("--dp", "2", "--tp", "2"), ("--tp", "4"), ("--pp", "2")], ids=" ".join)
+def test_two_nodes_give_the_oracle_tokens(two_nodes, tiny_llama_dir, layout):
+    args = job_args(tiny_llama_dir, two_nodes, *layout)
+    node1 = start_node(two_nodes, 1, args)  # node 1 first: start order does not matter
+    time.sleep(1.0)
+    node0 = start_node(two_nodes, 0, args)
+    try:
+        node0.wait_ready(180)
+        node1.wait_ready(180)
+        assert_greedy_over_http(node0, tiny_llama_dir, count=4, seed=sum(map(len, layout)))
+        workers_per_node = math.prod(int(size) for size in layout[1::2]) // 2
+        assert len(node0.children_named("fleet-worker-")) == len(node1.children_named("fleet-worker-")) == workers_per_node
+        assert not node1.children_named("fleet-api-"), "node 1 is headless"
+    finally:
+        stop([node0, node1])
+
+
+def test_a_node_that_never_comes_is_named_after_the_timeout(two_nodes, tiny_llama_dir):
+    node0 = start_node(two_nodes, 0, job_args(tiny_llama_dir, two_nodes, "--tp", "2", timeout=4))
+    assert node0.proc.wait(timeout=60) != 0
+    log = "".join(node0.log)
+    assert "node ranks [1] did not join within 4 s" in log, log[-2000:]
+    node0.assert_nothing_left()
+
+
+def test_sigkill_of_node_1_fails_requests_and_ends_both_nodes(two_nodes, tiny_llama_dir):
+    args = job_args(tiny_llama_dir, two_nodes, "--tp", "4")
+    node1 = start_node(two_nodes, 1, args)
+    node0 = start_node(two_nodes, 0, args)
+    node0.wait_ready(180)
+    node1.wait_ready(180)
+    result = {}
+
+    def in_flight() -> None:
+        result["response"] = node0.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1500, "ignore_eos": True})
+
+    thread = threading.Thread(target=in_flight)
+    thread.start()
+    assert node0.wait_until(lambda: node0.metric("fleet:num_requests_running") >= 1, timeout=30)
+    os.kill(node1.proc.pid, signal.SIGKILL)
+    thread.join(timeout=60)
+    response = result["response"]
+    assert response.status_code >= 500, response.text
+    assert "error" in response.json()
+    assert node0.proc.wait(timeout=60) != 0
+    node1.proc.wait(timeout=10)
+    node0.assert_nothing_left()
+    node1.assert_nothing_left()
