@@ -97,7 +97,8 @@ class Coordinator:
         self.num_waiting = [0] * self.num_engines
         self.num_running = [0] * self.num_engines
         # Lock-step workers of a multi-node job meet at node 0's job store instead.
-        self.store = self._host_store() if config.parallel.replicas_step_together and config.parallel.nnodes == 1 else None
+        hosts_store = config.parallel.replicas_step_together and config.parallel.nnodes == 1
+        self.store = self._host_store() if hosts_store else None
 
     def _host_store(self):
         """The job-wide TCPStore of lock-step workers, at --master-addr and
@@ -122,8 +123,8 @@ class Coordinator:
         decoder = serial.Decoder(CoordinatorInput, "coordinator input")
         dirty_since: float | None = None
         while True:
-            timeout = None if dirty_since is None else max(0.0, dirty_since + LOAD_PUBLISH_INTERVAL_S - time.monotonic())
-            if self.inputs.poll(None if timeout is None else int(timeout * 1000) + 1):
+            wait_ms = None if dirty_since is None else _ms_until(dirty_since + LOAD_PUBLISH_INTERVAL_S)
+            if self.inputs.poll(wait_ms):
                 message = decoder.decode(self.inputs.recv())
                 match message:
                     case StepVote():
@@ -144,6 +145,10 @@ class Coordinator:
             if self.broadcast.recv()[:1] == b"\x01":
                 subscribed += 1
         logger.info("all %d engines joined", self.num_engines)
+
+
+def _ms_until(deadline: float) -> int:
+    return int(max(0.0, deadline - time.monotonic()) * 1000) + 1
 
 
 def main() -> None:

@@ -55,7 +55,8 @@ class Launcher:
             logger.error("start-up failed: %s", error)
             self._stop_all(timeout=2.0)
             return 1
-        logger.info("serving %s on %s (ready in %.1f s)", self.config.model.served_model_name, self.url, time.monotonic() - start)
+        elapsed = time.monotonic() - start
+        logger.info("serving %s on %s (ready in %.1f s)", self.config.model.served_model_name, self.url, elapsed)
         return self._supervise()
 
     def _start(self) -> None:
@@ -96,7 +97,9 @@ class Launcher:
             )
         return addresses
 
-    def _start_api_servers_and_engines(self, handshake: ipc.HandshakeListener, coordinator: CoordinatorAddresses | None) -> None:
+    def _start_api_servers_and_engines(
+        self, handshake: ipc.HandshakeListener, coordinator: CoordinatorAddresses | None
+    ) -> None:
         config, frontend = self.config, self.config.frontend
         engine_ranks = node_engine_ranks(config.parallel)
         if coordinator is None and config.parallel.replicas_step_together:
@@ -117,7 +120,8 @@ class Launcher:
                 config, index, addresses, engines_per_api_server(config.parallel), http.fileno(), handshake.address,
                 load_address,
             )
-            started.append(ipc.spawn("fleet.frontend.api_server", f"fleet-api-{index}", info, pass_fds=(http.fileno(),)))
+            name = f"fleet-api-{index}"
+            started.append(ipc.spawn("fleet.frontend.api_server", name, info, pass_fds=(http.fileno(),)))
         for dp_rank in engine_ranks:
             info = EngineCoreStartupInfo(
                 config=config,
@@ -137,7 +141,8 @@ class Launcher:
             if message.kv_capacity is not None:
                 capacity = message.kv_capacity
                 concurrency = capacity.num_tokens / config.model.max_model_len
-                logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name, capacity.num_tokens, concurrency, config.model.max_model_len)
+                logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name,
+                            capacity.num_tokens, concurrency, config.model.max_model_len)
 
     def _start_workers_of_remote_engines(self) -> None:
         """Workers on this node of replicas whose engine core runs on another

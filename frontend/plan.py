@@ -124,6 +124,8 @@ def node_plan(config: FleetConfig) -> dict[str, Any]:
         "addresses": {
             "engines": engine_transport(parallel),
             "dp_coordinator": _coordinator_summary(parallel),
+            "api_servers": _api_server_summary(parallel, config.frontend.api_server_count),
+            "job_store": f"tcp://{parallel.master_addr}:{parallel.master_port}" if parallel.nnodes > 1 else None,
             "torch_distributed": f"tcp://{parallel.master_addr}:{master_port}",
             "backend": config.device.distributed_backend,
         },
@@ -144,3 +146,11 @@ def _coordinator_summary(parallel: ParallelConfig) -> str | None:
         return "ipc"
     host, port = parallel.data_parallel_address, parallel.data_parallel_rpc_port
     return f"tcp://{host}:{port} (votes and loads), tcp://{host}:{port + 1} (broadcast)"
+
+
+def _api_server_summary(parallel: ParallelConfig, count: int) -> str | list[str]:
+    """Where engines reach the API servers: ipc, or node 0's TCP ports for every node."""
+    addresses = api_server_addresses(parallel, count)
+    if all(a.requests.startswith("ipc://") for a in addresses):
+        return "ipc"
+    return [address for a in addresses for address in (a.requests, a.outputs)]

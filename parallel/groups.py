@@ -15,7 +15,6 @@ import os
 from datetime import timedelta
 
 import psutil
-
 import torch.distributed as dist
 
 from fleet.config.fleet import FleetConfig
@@ -44,7 +43,9 @@ def init_worker_groups(config: FleetConfig, dp_rank: int, rank: int, store_host:
     store = dist.TCPStore(store_host, store_port, world_size=world_size, is_master=False, timeout=timeout)
     if parallel.nnodes > 1:
         store = dist.PrefixStore(f"{world}/", store)
-    dist.init_process_group(config.device.distributed_backend, store=store, rank=world_rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        config.device.distributed_backend, store=store, rank=world_rank, world_size=world_size, timeout=timeout
+    )
     groups = parallel_groups(layout)
     set_tp_group(_member_group(groups.tp, world_rank))
     set_pp_group(_member_group(groups.pp, world_rank))

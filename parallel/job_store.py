@@ -91,7 +91,8 @@ class JobStore:
             if self.node_rank == 0:
                 self._check_beats()
         except (RuntimeError, dist.DistStoreError) as error:
-            raise NodeMissing(f"lost node 0's job store at {self.parallel.master_addr}:{self.parallel.master_port}: {error}") from error
+            where = f"{self.parallel.master_addr}:{self.parallel.master_port}"
+            raise NodeMissing(f"lost node 0's job store at {where}: {error}") from error
 
     def _check_beats(self) -> None:
         now = time.monotonic()

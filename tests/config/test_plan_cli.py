@@ -229,3 +229,15 @@ def test_coordinator_addresses_follow_the_launch_layout(moe_config_dir, llama_co
     assert hybrid["addresses"]["dp_coordinator"].startswith("tcp://10.0.0.1:5000 ")
     dense_hybrid = plan_of(llama_config_dir, data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2)
     assert dense_hybrid["addresses"]["dp_coordinator"] is None, "independent replicas: nothing to coordinate remotely"
+
+
+def test_multi_node_addresses_are_tcp_on_node_0(llama_config_dir):
+    plan = plan_of(
+        llama_config_dir, data_parallel_size=2, nnodes=2, node_rank=1, master_addr="10.0.0.1",
+        data_parallel_rpc_port=6000, api_server_count=2,
+    )  # fmt: skip
+    addresses = plan["addresses"]
+    assert addresses["api_servers"] == [f"tcp://10.0.0.1:{port}" for port in range(6002, 6006)]
+    assert addresses["job_store"] == "tcp://10.0.0.1:29501"
+    assert addresses["dp_coordinator"].startswith("tcp://10.0.0.1:6000 ")
+    assert plan_of(llama_config_dir)["addresses"]["api_servers"] == "ipc"

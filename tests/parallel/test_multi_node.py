@@ -115,7 +115,8 @@ def test_two_nodes_give_the_oracle_tokens(two_nodes, tiny_llama_dir, layout):
         node1.wait_ready(180)
         assert_greedy_over_http(node0, tiny_llama_dir, count=4, seed=sum(map(len, layout)))
         workers_per_node = math.prod(int(size) for size in layout[1::2]) // 2
-        assert len(node0.children_named("fleet-worker-")) == len(node1.children_named("fleet-worker-")) == workers_per_node
+        workers = [len(node.children_named("fleet-worker-")) for node in (node0, node1)]
+        assert workers == [workers_per_node, workers_per_node]
         assert not node1.children_named("fleet-api-"), "node 1 is headless"
     finally:
         stop([node0, node1])
@@ -138,7 +139,8 @@ def test_sigkill_of_node_1_fails_requests_and_ends_both_nodes(two_nodes, tiny_ll
     result = {}
 
     def in_flight() -> None:
-        result["response"] = node0.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1500, "ignore_eos": True})
+        body = {"prompt": "hello", "max_tokens": 1500, "ignore_eos": True}
+        result["response"] = node0.post("/v1/completions", json=body)
 
     thread = threading.Thread(target=in_flight)
     thread.start()
@@ -151,4 +153,15 @@ def test_sigkill_of_node_1_fails_requests_and_ends_both_nodes(two_nodes, tiny_ll
     assert node0.proc.wait(timeout=60) != 0
     node1.proc.wait(timeout=10)
     node0.assert_nothing_left()
+    node1.assert_nothing_left()
+
+
+def test_sigkill_of_node_0_ends_node_1(two_nodes, tiny_llama_dir):
+    args = job_args(tiny_llama_dir, two_nodes, "--dp", "2", "--tp", "2")
+    node0, node1 = start_node(two_nodes, 0, args), start_node(two_nodes, 1, args)
+    node0.wait_ready(180)
+    node1.wait_ready(180)
+    node0.kill()  # the launcher and its children, as a machine that goes down
+    assert node1.proc.wait(timeout=60) != 0
+    assert "lost node 0's job store" in "".join(node1.log)
     node1.assert_nothing_left()
