@@ -165,3 +165,15 @@ def test_sigkill_of_node_0_ends_node_1(two_nodes, tiny_llama_dir):
     assert node1.proc.wait(timeout=60) != 0
     assert "lost node 0's job store" in "".join(node1.log)
     node1.assert_nothing_left()
+
+
+def test_expert_parallel_replicas_on_two_nodes_step_together(two_nodes, tiny_mixtral_dir):
+    args = job_args(tiny_mixtral_dir, two_nodes, "--dp", "2", "--tp", "2", "--enable-expert-parallel")
+    node0, node1 = start_node(two_nodes, 0, args), start_node(two_nodes, 1, args)
+    try:
+        node0.wait_ready(180)
+        node1.wait_ready(180)
+        assert_greedy_over_http(node0, tiny_mixtral_dir, count=6, seed=5)
+        assert_greedy_over_http(node0, tiny_mixtral_dir, count=1, seed=6)  # one replica idles through the wave
+    finally:
+        stop([node0, node1])
