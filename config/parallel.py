@@ -137,7 +137,9 @@ class ParallelConfig:
             local_size, hybrid = 1, False
             rank = rank if rank is not None else inferred_rank
         elif local_size is not None:
-            if self.data_parallel_start_rank and not self.headless:
+            # An explicit start rank (0 included, unlike vLLM, which needs --data-parallel-hybrid-lb
+            # on the first launch) makes this launch one of several front ends.
+            if self.data_parallel_start_rank is not None and not self.headless:
                 hybrid = True
             if hybrid and local_size == 1:
                 logger.warning("hybrid load balancing with --data-parallel-size-local 1 is external load balancing; switching")

@@ -129,7 +129,11 @@ class EngineClient:
     def _await_engine_hellos(self, count: int) -> None:
         while len(self.engine_identities) < count:
             if not self.requests.poll(self.config.parallel.distributed_timeout_seconds * 1000):
-                raise EngineDeadError("engine cores did not say hello on the request socket")
+                raise EngineDeadError(
+                    f"only {len(self.engine_identities)} of {count} engine cores said hello within "
+                    f"{self.config.parallel.distributed_timeout_seconds} s (--distributed-timeout-seconds); "
+                    "with --data-parallel-size-local < --data-parallel-size, the other launches must run too"
+                )
             identity, hello = self.requests.recv_multipart()
             self.engine_identities.append(identity)
             if not self.engines and int(hello):  # not our children: watch them by the pid they said hello with

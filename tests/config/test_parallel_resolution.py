@@ -379,3 +379,9 @@ def test_a_job_of_several_launches_agrees_on_a_fixed_master_port(fields):
 
 def test_a_single_launch_binds_any_free_master_port():
     assert resolve(is_moe=True, data_parallel_size=2, enable_expert_parallel=True).master_port is None
+
+
+def test_start_rank_zero_given_explicitly_is_the_first_hybrid_launch():
+    config = resolve(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=0)
+    assert decided(config) == Resolved(0, 2, external=False, hybrid=True, headless=False)
+    assert not resolve(data_parallel_size=4, data_parallel_size_local=2).data_parallel_hybrid_lb
