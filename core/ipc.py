@@ -144,22 +144,33 @@ class ChildProcess:
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         return f"{self.name} (pid {self.pid}) died ({how})"
 
+    def terminate(self) -> None:
+        self.popen.terminate()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def wait(self, timeout: float) -> None:
+        """Until it exited, or `timeout` passed (no error either way)."""
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
 def stop_all(children: list[ChildProcess], grace: float, terminate_now: bool = False) -> None:
     """Stop children together under one deadline: `grace` seconds to exit on
-    their own (they were asked to), then SIGTERM, then SIGKILL 2 s later."""
+    their own (they were asked to), then SIGTERM, then SIGKILL 2 s later.
+    Anything with alive/terminate/kill/wait stops alike (Ray actors too)."""
     for phase_timeout, action in ((0.0 if terminate_now else grace, None), (2.0, "terminate"), (1.0, "kill")):
         alive = [c for c in children if c.alive()]
         if not alive:
             return
         for child in alive:
             if action is not None:
-                getattr(child.popen, action)()
+                getattr(child, action)()
         deadline = time.monotonic() + phase_timeout
         for child in alive:
-            try:
-                child.popen.wait(max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
-                pass
+            child.wait(max(deadline - time.monotonic(), 0.0))
 
 
 class ForeignProcess:
@@ -193,6 +204,12 @@ def spawn(module: str, name: str, info: Any, pass_fds: tuple[int, ...] = ()) -> 
     return ChildProcess(name, popen)
 
 
+REPORT_MARGIN_S = 10.0
+"""A parent waits this much longer than --distributed-timeout-seconds for its
+children's start-up: a child that gives up on that timeout itself (a peer, a
+store, a Ray placement) then still gets to say why."""
+
+
 class HandshakeListener:
     """Collects Ready/StartupFailed from children, under one deadline."""
 
@@ -211,7 +228,7 @@ class HandshakeListener:
         nodes started), or raise naming who failed or did not answer."""
         ready: dict[str, Ready] = {}
         expected = [c.name for c in children] + list(remote)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout + REPORT_MARGIN_S
         while len(ready) < len(expected):
             for child in children:
                 if child.name not in ready and not child.alive():
@@ -219,7 +236,7 @@ class HandshakeListener:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = [name for name in expected if name not in ready]
-                raise StartupTimeout(f"no Ready within {timeout:.0f} s from: {', '.join(missing)}")
+                raise StartupTimeout(f"no Ready within {timeout + REPORT_MARGIN_S:.0f} s from: {', '.join(missing)}")
             if self._sock.poll(min(100, int(remaining * 1000) + 1)):
                 message = self._decoder.decode(self._sock.recv())
                 if isinstance(message, StartupFailed):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 
 from fleet.config.fleet import FleetConfig
@@ -62,8 +64,13 @@ class Launcher:
     def _start(self) -> None:
         if self.config.parallel.nnodes > 1:
             self.job = self._join_job()
+        parallel = self.config.parallel
+        if "ray" in (parallel.distributed_executor_backend, parallel.data_parallel_backend):
+            self._join_ray()
         ctx = zmq.Context()
-        handshake = ipc.HandshakeListener(ctx)
+        # Engine actors placed by Ray may run on another machine: they report over TCP.
+        ray_engines = self.config.parallel.data_parallel_backend == "ray"
+        handshake = ipc.HandshakeListener(ctx, self.config.parallel.data_parallel_address if ray_engines else None)
         try:
             coordinator = self._start_coordinator(handshake) if runs_dp_coordinator(self.config.parallel) else None
             self._start_api_servers_and_engines(handshake, coordinator)
@@ -81,6 +88,20 @@ class Launcher:
         job = JobStore.for_launcher(parallel)
         job.join()
         return job
+
+    def _join_ray(self) -> None:
+        """Join the Ray cluster (--ray-address, else RAY_ADDRESS), or start a
+        local one that lives as long as this launch; engines join the same."""
+        import ray  # the optional dependency: pip install fleet[ray]
+
+        parallel = self.config.parallel
+        address = parallel.ray_address or os.environ.get("RAY_ADDRESS")
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        for signum in (signal.SIGTERM, signal.SIGINT):  # ray.init installs its own: ours stop gracefully
+            signal.signal(signum, self._request_stop)
+        resolved = ray.get_runtime_context().gcs_address
+        logger.info("Ray cluster at %s (%s)", resolved, "joined" if address else "started for this launch")
+        self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(parallel, ray_address=resolved))
 
     def _start_coordinator(self, handshake: ipc.HandshakeListener) -> CoordinatorAddresses:
         """Start the DP coordinator first: engines and API servers need its
@@ -131,7 +152,7 @@ class Launcher:
                 output_addresses=[c.outputs for c in clients],
                 coordinator=engines_coordinator,
             )
-            started.append(ipc.spawn("fleet.core.engine_core", f"fleet-engine-dp{dp_rank}", info))
+            started.append(self._start_engine(f"fleet-engine-dp{dp_rank}", info))
         self.children.extend(started)
         self._start_workers_of_remote_engines()
         ready = handshake.wait_all(started, config.parallel.distributed_timeout_seconds)
@@ -143,6 +164,14 @@ class Launcher:
                 concurrency = capacity.num_tokens / config.model.max_model_len
                 logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name,
                             capacity.num_tokens, concurrency, config.model.max_model_len)
+
+    def _start_engine(self, name: str, info: EngineCoreStartupInfo) -> ipc.ChildProcess:
+        """A child process, or with --data-parallel-backend ray an actor watched and stopped alike."""
+        if self.config.parallel.data_parallel_backend != "ray":
+            return ipc.spawn("fleet.core.engine_core", name, info)
+        from fleet.workers.ray_executor import start_engine_actor
+
+        return start_engine_actor(self.config, name, msgspec.msgpack.encode(info))
 
     def _start_workers_of_remote_engines(self) -> None:
         """Workers on this node of replicas whose engine core runs on another
@@ -190,7 +219,7 @@ class Launcher:
         for group, grace in order:
             for child in group:
                 if child.alive():
-                    child.popen.terminate()
+                    child.terminate()
             ipc.stop_all(group, grace)
 
 

@@ -35,11 +35,17 @@ def engine_transport(parallel: ParallelConfig) -> str:
     return f"tcp://{parallel.data_parallel_address}:{parallel.data_parallel_rpc_port}"
 
 
+def engines_may_run_elsewhere(parallel: ParallelConfig) -> bool:
+    """Whether some engine core of the job may run on another machine (other
+    launches or nodes, or Ray actors placed anywhere): then its sockets are TCP."""
+    return not is_single_launch(parallel) or parallel.data_parallel_backend == "ray"
+
+
 def coordinator_addresses(parallel: ParallelConfig) -> CoordinatorAddresses:
-    """Where the DP coordinator listens: fresh ipc:// paths on a single
-    launch; across launches, --data-parallel-address with
+    """Where the DP coordinator listens: fresh ipc:// paths when every engine
+    runs beside it; else --data-parallel-address with
     --data-parallel-rpc-port (engine inputs) and the port after it (broadcast)."""
-    if is_single_launch(parallel):
+    if not engines_may_run_elsewhere(parallel):
         return CoordinatorAddresses(*(ipc.new_ipc_address(tag) for tag in ("coord-in", "coord-out", "coord-loads")))
     host, port = parallel.data_parallel_address, parallel.data_parallel_rpc_port
     return CoordinatorAddresses(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}", ipc.new_ipc_address("coord-loads"))
@@ -63,7 +69,7 @@ def api_server_addresses(parallel: ParallelConfig, count: int) -> list[ClientAdd
     several nodes, fixed TCP ports on node 0 after the coordinator's two
     (--data-parallel-rpc-port + 2 + 2i and + 3 + 2i for API server i), which
     every node computes alike."""
-    if parallel.nnodes == 1 or not is_internal_lb(parallel):
+    if not (parallel.nnodes > 1 or parallel.data_parallel_backend == "ray") or not is_internal_lb(parallel):
         return [ClientAddresses.new() for _ in range(count)]
     host, base = parallel.data_parallel_address, parallel.data_parallel_rpc_port + 2
     return [ClientAddresses(f"tcp://{host}:{base + 2 * i}", f"tcp://{host}:{base + 2 * i + 1}") for i in range(count)]
@@ -142,7 +148,7 @@ def node_plan(config: FleetConfig) -> dict[str, Any]:
 def _coordinator_summary(parallel: ParallelConfig) -> str | None:
     if not engines_use_coordinator(parallel):
         return None
-    if is_single_launch(parallel):
+    if not engines_may_run_elsewhere(parallel):
         return "ipc"
     host, port = parallel.data_parallel_address, parallel.data_parallel_rpc_port
     return f"tcp://{host}:{port} (votes and loads), tcp://{host}:{port + 1} (broadcast)"

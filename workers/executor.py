@@ -90,15 +90,18 @@ class MultiprocExecutor(Executor):
         self.config = config
         self.dp_rank = dp_rank
         self.ctx = zmq.Context()
-        parallel = config.parallel
-        # Workers on other nodes need TCP; local ones are faster on ipc://.
-        self.tcp_host = _node_address(parallel) if replica_spans_nodes(parallel) else None
+        self.tcp_host = self._tcp_bind_host()
         self.plans = self._bind(zmq.XPUB, "plans")
         self.plans.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.results = self._bind(zmq.PULL, "results")
         self.decoder = serial.Decoder(WorkerOutput, "worker results")
         self.workers: list[ipc.ChildProcess] = []
         self.call_ids = itertools.count()
+
+    def _tcp_bind_host(self) -> str | None:
+        """Workers on other nodes need TCP; local ones are faster on ipc://."""
+        parallel = self.config.parallel
+        return _node_address(parallel) if replica_spans_nodes(parallel) else None
 
     def _bind(self, kind: int, tag: str) -> zmq.Socket:
         sock = ipc.make_socket(self.ctx, kind)
@@ -122,10 +125,10 @@ class MultiprocExecutor(Executor):
                 store_host=store_host,
                 store_port=store_port,
             )
-            if self.tcp_host is not None:
+            if replica_spans_nodes(parallel):
                 self._publish(addresses)
-            self.workers = spawn_workers(self.config, self.dp_rank, addresses)
-            remote = [_worker_name(parallel, rank) for rank in _replica_ranks(parallel, self.dp_rank)
+            self.workers = self._spawn(addresses)
+            remote = [worker_name(parallel, rank) for rank in replica_ranks(parallel, self.dp_rank)
                       if rank not in node_worker_ranks(parallel)]
             ready = handshake.wait_all(self.workers, parallel.distributed_timeout_seconds, remote)
         finally:
@@ -135,6 +138,9 @@ class MultiprocExecutor(Executor):
         num_blocks = min(r.kv_capacity.num_blocks for r in ready.values() if r.kv_capacity)
         self.call("init_kv_cache", [num_blocks])
         return KVCapacity(num_blocks, self.config.cache.block_size)
+
+    def _spawn(self, addresses: ReplicaAddresses) -> list[ipc.ChildProcess]:
+        return spawn_workers(self.config, self.dp_rank, addresses)
 
     def _publish(self, addresses: ReplicaAddresses) -> None:
         """For the launchers of the other nodes, which start this replica's workers there."""
@@ -152,11 +158,12 @@ class MultiprocExecutor(Executor):
         parallel = self.config.parallel
         # Independent replicas each host a store: only a lone replica may take the fixed port.
         port = parallel.master_port or 0 if parallel.data_parallel_size == 1 else 0
+        host = self.tcp_host or parallel.master_addr  # reachable by workers on other nodes (Ray)
         self._store = dist.TCPStore(
-            parallel.master_addr, port, is_master=True, wait_for_workers=False,
+            host, port, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=parallel.distributed_timeout_seconds),
         )
-        return parallel.master_addr, self._store.port
+        return host, self._store.port
 
     def _wait_for_subscribers(self, count: int) -> None:
         """XPUB hears each subscription: once all workers subscribed, no plan is lost."""
@@ -214,13 +221,16 @@ class MultiprocExecutor(Executor):
             raise WorkerDied("; ".join(w.describe_exit() for w in dead))
 
     def shutdown(self) -> None:
+        self._send_shutdown()
+        # Workers stuck in a collective with a dead peer never read Shutdown: all get one deadline.
+        ipc.stop_all(self.workers, grace=5.0, terminate_now=any(not w.alive() for w in self.workers))
+        self.ctx.destroy(linger=0)
+
+    def _send_shutdown(self) -> None:
         try:
             self.plans.send(serial.encode(Shutdown("engine shutting down")), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-        # Workers stuck in a collective with a dead peer never read Shutdown: all get one deadline.
-        ipc.stop_all(self.workers, grace=5.0, terminate_now=any(not w.alive() for w in self.workers))
-        self.ctx.destroy(linger=0)
 
 
 def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses) -> list[ipc.ChildProcess]:
@@ -233,7 +243,7 @@ def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses
     # Devices and CPU threads are shared by every worker of this node, not only this replica's.
     node_workers = node_worker_ranks(parallel)
     workers = []
-    for rank in _replica_ranks(parallel, dp_rank):
+    for rank in replica_ranks(parallel, dp_rank):
         if rank not in node_workers:
             continue
         info = WorkerStartupInfo(
@@ -248,15 +258,15 @@ def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses
             store_host=addresses.store_host,
             store_port=addresses.store_port,
         )
-        workers.append(ipc.spawn("fleet.workers.worker", _worker_name(parallel, rank), info))
+        workers.append(ipc.spawn("fleet.workers.worker", worker_name(parallel, rank), info))
     return workers
 
 
-def _replica_ranks(parallel: ParallelConfig, dp_rank: int) -> range:
+def replica_ranks(parallel: ParallelConfig, dp_rank: int) -> range:
     return range(dp_rank * parallel.replica_size, (dp_rank + 1) * parallel.replica_size)
 
 
-def _worker_name(parallel: ParallelConfig, rank: int) -> str:
+def worker_name(parallel: ParallelConfig, rank: int) -> str:
     coord = coord_of(parallel, rank)
     return f"fleet-worker-dp{coord.dp}-pp{coord.pp}-tp{coord.tp}"
 
@@ -266,11 +276,10 @@ def _node_address(parallel: ParallelConfig) -> str:
     return parallel.master_addr if parallel.node_rank == 0 else ipc.address_towards(parallel.master_addr)
 
 
-EXECUTORS = {"uni": UniExecutor, "mp": MultiprocExecutor}
-
-
 def make_executor(config: FleetConfig, dp_rank: int) -> Executor:
     backend = config.parallel.distributed_executor_backend
-    if backend not in EXECUTORS:
-        raise ValueError(f"--distributed-executor-backend {backend} is not available yet; choose from {sorted(EXECUTORS)}")
-    return EXECUTORS[backend](config, dp_rank)
+    if backend == "ray":
+        from fleet.workers.ray_executor import RayExecutor  # ray is an optional dependency
+
+        return RayExecutor(config, dp_rank)
+    return {"uni": UniExecutor, "mp": MultiprocExecutor}[backend](config, dp_rank)

@@ -126,7 +126,13 @@ def _init_device(config: FleetConfig, local_rank: int, num_local_workers: int) -
 
 def run_worker_process(name: str) -> None:
     ipc.die_with_parent()
-    info: WorkerStartupInfo = ipc.read_startup_info(WorkerStartupInfo)
+    serve_worker(name, ipc.read_startup_info(WorkerStartupInfo))
+
+
+def serve_worker(name: str, info: WorkerStartupInfo) -> None:
+    """Build the worker, report Ready (or the error) to the executor, then
+    serve step plans until Shutdown. A worker process's whole life, and a
+    Ray worker actor's."""
     ctx = zmq.Context()
     try:
         worker = Worker(info.config, info.dp_rank, info.rank, info.local_rank, info.num_local_workers, (info.store_host, info.store_port))

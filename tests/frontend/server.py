@@ -36,7 +36,10 @@ class Server:
             self.wait_ready(startup_timeout)
 
     def wait_ready(self, startup_timeout: float = 120.0) -> None:
-        if not self._url_found.wait(startup_timeout):
+        deadline = time.monotonic() + startup_timeout
+        while not self._url_found.wait(0.2) and self.proc.poll() is None and time.monotonic() < deadline:
+            pass
+        if not self._url_found.is_set():
             self.kill()
             raise RuntimeError("server did not start:\n" + "".join(self.log[-40:]))
         self.descendants = psutil.Process(self.proc.pid).children(recursive=True)

@@ -1,0 +1,158 @@
+"""Ray: workers (--distributed-executor-backend ray) and engine cores
+(--data-parallel-backend ray) as actors on a local Ray cluster of two
+virtual nodes of one CPU each, made by the test; and a job submitted with
+`ray job submit` and ended with `ray job stop`. Outputs are compared with
+transformers; nothing may be left: no actor, placement group or process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.frontend.server import Server
+from tests.parallel.dp_helpers import assert_greedy_over_http
+from tests.parallel.test_expert_parallel import free_port_pair
+
+ray = pytest.importorskip("ray", reason="the Ray tests need `pip install fleet[ray]` (make install-test does it)")
+
+pytestmark = pytest.mark.slow
+
+TINY = ("--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "2M")
+NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """Two virtual nodes with one CPU each (a dashboard for the job server and the state API)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            **NODE, "include_dashboard": True, "dashboard_port": free_port_pair(), "dashboard_host": "127.0.0.1"
+        },
+    )  # fmt: skip
+    cluster.add_node(**NODE)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="ERROR")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def launch(cluster, model_dir: str, *args: str) -> Server:
+    return Server(model_dir, *args, *TINY, env={"RAY_ADDRESS": cluster.address}, startup_timeout=180)
+
+
+def bundle_nodes() -> list[set[str]]:
+    """The nodes of each live placement group's bundles."""
+    from ray.util import placement_group_table
+
+    return [
+        set(group["bundles_to_node_id"].values())
+        for group in placement_group_table().values()
+        if group["state"] != "REMOVED"
+    ]
+
+
+def assert_nothing_left_in_ray(timeout: float = 20.0) -> None:
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        actors = list_actors(filters=[("state", "=", "ALIVE")])
+        if not actors and not bundle_nodes():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"left in Ray: actors {[a.class_name for a in actors]}, placement groups {bundle_nodes()}")
+
+
+def test_ray_executor_spreads_a_replica_over_two_nodes(two_node_cluster, tiny_llama_dir):
+    server = launch(two_node_cluster, tiny_llama_dir, "--tp", "2", "--distributed-executor-backend", "ray")
+    try:
+        assert_greedy_over_http(server, tiny_llama_dir, count=4, seed=41)
+        assert bundle_nodes() == [set(node["NodeID"] for node in ray.nodes() if node["Alive"])], "one CPU per node"
+    finally:
+        server.close()
+    assert_nothing_left_in_ray()
+
+
+def test_ray_data_parallel_backend_places_each_engine_with_its_workers(two_node_cluster, tiny_llama_dir):
+    backends = ("--data-parallel-backend", "ray", "--distributed-executor-backend", "ray")
+    server = launch(two_node_cluster, tiny_llama_dir, "--dp", "2", *backends, "--data-parallel-rpc-port", str(free_port_pair()))
+    try:
+        assert not server.children_named("fleet.core.engine_core"), "engine cores are actors, not local processes"
+        assert_greedy_over_http(server, tiny_llama_dir, count=6, seed=42)
+        groups = bundle_nodes()
+        assert len(groups) == 2 and len(groups[0] | groups[1]) == 2, groups
+    finally:
+        server.close()
+    assert_nothing_left_in_ray()
+
+
+def test_asking_for_more_devices_than_the_cluster_has_fails_in_time(two_node_cluster, tiny_llama_dir):
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "fleet.frontend.cli", "launch", tiny_llama_dir, "--tp", "4",
+         "--distributed-executor-backend", "ray", "--distributed-timeout-seconds", "3", "--port", "0", *TINY],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": two_node_cluster.address},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "Ray could not place 4 workers of {'CPU': 1} within 3 s" in result.stderr, result.stderr[-3000:]
+    assert "the cluster has 2 CPU free of 2 CPU" in result.stderr
+    assert time.monotonic() - started < 60
+    assert_nothing_left_in_ray()
+
+
+def test_ray_job_submit_serves_http_and_ray_job_stop_ends_everything(two_node_cluster, tiny_llama_dir):
+    dashboard = f"http://{two_node_cluster.webui_url}"
+    port = free_port_pair()
+    entrypoint = (
+        f"{sys.executable} -m fleet.frontend.cli launch {tiny_llama_dir} --tp 2 --distributed-executor-backend ray "
+        f"--port {port} {' '.join(TINY)}"
+    )
+    job_id = f"fleet-test-{os.getpid()}-{port}"
+    submitted = subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", dashboard, "--no-wait",
+         "--submission-id", job_id, "--", *entrypoint.split()], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert _wait_healthy(url, timeout=180), _job_logs(dashboard, job_id)
+        response = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+        assert response.status_code == 200, response.text
+    finally:
+        stopped = subprocess.run(
+            [sys.executable, "-m", "ray.scripts.scripts", "job", "stop", "--address", dashboard, job_id],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert stopped.returncode == 0, stopped.stderr
+    assert_nothing_left_in_ray()
+    assert not [p for p in psutil.process_iter(["cmdline"]) if tiny_llama_dir in " ".join(p.info["cmdline"] or [])]
+
+
+def _wait_healthy(url: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    return False
+
+
+def _job_logs(dashboard: str, job_id: str) -> str:
+    logs = subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", "job", "logs", "--address", dashboard, job_id],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return logs.stdout[-3000:] + json.dumps(os.environ.get("RAY_ADDRESS"))
