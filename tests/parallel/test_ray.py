@@ -84,8 +84,8 @@ def test_ray_executor_spreads_a_replica_over_two_nodes(two_node_cluster, tiny_ll
 
 
 def test_ray_data_parallel_backend_places_each_engine_with_its_workers(two_node_cluster, tiny_llama_dir):
-    backends = ("--data-parallel-backend", "ray", "--distributed-executor-backend", "ray")
-    server = launch(two_node_cluster, tiny_llama_dir, "--dp", "2", *backends, "--data-parallel-rpc-port", str(free_port_pair()))
+    flags = ("--data-parallel-backend", "ray", "--distributed-executor-backend", "ray", "--data-parallel-rpc-port")
+    server = launch(two_node_cluster, tiny_llama_dir, "--dp", "2", *flags, str(free_port_pair()))
     try:
         assert not server.children_named("fleet.core.engine_core"), "engine cores are actors, not local processes"
         assert_greedy_over_http(server, tiny_llama_dir, count=6, seed=42)
