@@ -11,6 +11,7 @@ to its actor as msgpack bytes.
 from __future__ import annotations
 
 import logging
+import os
 
 import msgspec
 
@@ -21,12 +22,14 @@ logger = logging.getLogger(__name__)
 
 
 def connect_ray(config: FleetConfig) -> None:
-    """Join the cluster at --ray-address (resolved by the launcher, or
-    RAY_ADDRESS) from this process, once."""
+    """Join the cluster at --ray-address (the launcher resolves it) or
+    RAY_ADDRESS from this process, once; without either (fleet.LLM), start a
+    local cluster that lives as long as this process."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=config.parallel.ray_address or "auto", logging_level=logging.WARNING, log_to_driver=False)
+        address = config.parallel.ray_address or os.environ.get("RAY_ADDRESS")
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
 
 
 class RayActorHandle:
