@@ -96,7 +96,11 @@ class Launcher:
 
         parallel = self.config.parallel
         address = parallel.ray_address or os.environ.get("RAY_ADDRESS")
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        except Exception as error:  # Ray raises several kinds; all mean the same to the user
+            where = f"the Ray cluster at {address!r} (--ray-address / RAY_ADDRESS)" if address else "a local Ray cluster"
+            raise ConnectionError(f"could not join {where}: {type(error).__name__}: {error}") from error
         for signum in (signal.SIGTERM, signal.SIGINT):  # ray.init installs its own: ours stop gracefully
             signal.signal(signum, self._request_stop)
         resolved = ray.get_runtime_context().gcs_address

@@ -73,6 +73,13 @@ class Server:
         self.assert_nothing_left()
 
     def kill(self) -> None:
+        if self.proc.poll() is not None:  # already gone: nothing to kill but what it left
+            for p in self.descendants:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            return
         for p in [*psutil.Process(self.proc.pid).children(recursive=True), psutil.Process(self.proc.pid)]:
             try:
                 p.kill()
