@@ -99,7 +99,9 @@ class Launcher:
         try:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         except Exception as error:  # Ray raises several kinds; all mean the same to the user
-            where = f"the Ray cluster at {address!r} (--ray-address / RAY_ADDRESS)" if address else "a new local cluster"
+            where = "a new local cluster"
+            if address:
+                where = f"the Ray cluster at {address!r} (--ray-address / RAY_ADDRESS)"
             raise ConnectionError(f"could not join {where}: {type(error).__name__}: {error}") from error
         for signum in (signal.SIGTERM, signal.SIGINT):  # ray.init installs its own: ours stop gracefully
             signal.signal(signum, self._request_stop)
