@@ -1,8 +1,11 @@
-"""What the data-parallel tests share: concurrent greedy requests checked
-against transformers, and metrics gathered from every API server."""
+"""What the parallel tests share: concurrent greedy requests checked
+against transformers, metrics gathered from every API server, and launches
+that form one job (ports, starting and stopping them together)."""
 from __future__ import annotations
 
 import re
+import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.engine.conftest import random_prompts
@@ -73,3 +76,52 @@ def per_engine(pages: dict[str, str], metric: str) -> dict[str, float]:
                 engine = re.search(r'engine="(\d+)"', match.group(1)).group(1)
                 totals[engine] = totals.get(engine, 0.0) + float(match.group(2))
     return totals
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free (--data-parallel-rpc-port uses both)."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no free pair of ports")
+
+
+def start_together(*launches: tuple[str, ...]) -> list[Server]:
+    """Start launches of one job at once: none is ready before all joined."""
+    servers: list[Server | Exception] = [RuntimeError("not started")] * len(launches)
+
+    def start(index: int) -> None:
+        try:
+            servers[index] = Server(*launches[index], startup_timeout=300)
+        except Exception as error:  # noqa: BLE001 - reported below
+            servers[index] = error
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(launches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [s for s in servers if isinstance(s, Exception)]
+    if failed:
+        for server in servers:
+            if isinstance(server, Server):
+                server.kill()
+        raise failed[0]
+    return servers  # type: ignore[return-value]
+
+
+def stop_servers(servers: list[Server]) -> None:
+    """SIGTERM every launch of a job at once, then check that nothing of any is left."""
+    for server in servers:
+        if server.proc.poll() is None:
+            server.proc.terminate()
+    for server in servers:
+        server.proc.wait(60)
+        server.assert_nothing_left()

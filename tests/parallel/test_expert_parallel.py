@@ -4,15 +4,20 @@ steps while another has work), with internal, hybrid and external load
 balancing. Outputs are compared with transformers."""
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import psutil
 import pytest
 
 from tests.frontend.server import Server
-from tests.parallel.dp_helpers import assert_greedy_over_http, metrics_of_every_api_server, per_engine
+from tests.parallel.dp_helpers import (
+    assert_greedy_over_http,
+    free_port_pair,
+    metrics_of_every_api_server,
+    per_engine,
+    start_together,
+    stop_servers,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -58,56 +63,8 @@ def cpu_percent_over(processes: list[psutil.Process], seconds: float) -> dict[in
 # ---------------------------------------------------------------- launches that form one job
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (--data-parallel-rpc-port uses both)."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free pair of ports")
-
-
-def start_together(*launches: tuple[str, ...]) -> list[Server]:
-    """Start launches of one job at once: none is ready before all joined."""
-    servers: list[Server | Exception] = [RuntimeError("not started")] * len(launches)
-
-    def start(index: int) -> None:
-        try:
-            servers[index] = Server(*launches[index], startup_timeout=300)
-        except Exception as error:  # noqa: BLE001 - reported below
-            servers[index] = error
-
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(launches))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    failed = [s for s in servers if isinstance(s, Exception)]
-    if failed:
-        for server in servers:
-            if isinstance(server, Server):
-                server.kill()
-        raise failed[0]
-    return servers  # type: ignore[return-value]
-
-
 def job_flags() -> tuple[str, ...]:
     return ("--data-parallel-rpc-port", str(free_port_pair()), "--master-port", str(free_port_pair()))
-
-
-def stop_all(servers: list[Server]) -> None:
-    for server in servers:
-        if server.proc.poll() is None:
-            server.proc.terminate()
-    for server in servers:
-        server.proc.wait(60)
-        server.assert_nothing_left()
 
 
 def test_hybrid_two_launches_each_balance_their_own_engines(tiny_qwen2_moe_dir):
@@ -121,7 +78,7 @@ def test_hybrid_two_launches_each_balance_their_own_engines(tiny_qwen2_moe_dir):
         served = [per_engine(metrics_of_every_api_server(s, 1), "fleet:request_success_total") for s in servers]
         assert set(served[0]) == {"0", "1"} and set(served[1]) == {"2", "3"}, served
     finally:
-        stop_all(servers)
+        stop_servers(servers)
 
 
 def test_external_two_launches_of_one_replica_each(tiny_mixtral_dir):
@@ -132,4 +89,4 @@ def test_external_two_launches_of_one_replica_each(tiny_mixtral_dir):
         for index, server in enumerate(servers):
             assert_greedy_over_http(server, tiny_mixtral_dir, count=4, seed=30 + index)
     finally:
-        stop_all(servers)
+        stop_servers(servers)

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.frontend.server import Server
-from tests.parallel.dp_helpers import assert_greedy_over_http
-from tests.parallel.test_expert_parallel import free_port_pair
+from tests.parallel.dp_helpers import assert_greedy_over_http, free_port_pair, stop_servers
 
 pytestmark = pytest.mark.slow
 
@@ -95,15 +94,6 @@ def start_node(nodes: list[Node], rank: int, args: tuple[str, ...], wait: bool =
     return Server(*args, "--node-rank", str(rank), "--host", node.address, prefix=node.prefix, env=node.env, wait=wait)
 
 
-def stop(servers: list[Server]) -> None:
-    for server in servers:
-        if server.proc.poll() is None:
-            server.proc.terminate()
-    for server in servers:
-        server.proc.wait(60)
-        server.assert_nothing_left()
-
-
 @pytest.mark.parametrize("layout", [("--dp", "2", "--tp", "2"), ("--tp", "4"), ("--pp", "2")], ids=" ".join)
 def test_two_nodes_give_the_oracle_tokens(two_nodes, tiny_llama_dir, layout):
     args = job_args(tiny_llama_dir, two_nodes, *layout)
@@ -119,7 +109,7 @@ def test_two_nodes_give_the_oracle_tokens(two_nodes, tiny_llama_dir, layout):
         assert workers == [workers_per_node, workers_per_node]
         assert not node1.children_named("fleet-api-"), "node 1 is headless"
     finally:
-        stop([node0, node1])
+        stop_servers([node0, node1])
 
 
 def test_a_node_that_never_comes_is_named_after_the_timeout(two_nodes, tiny_llama_dir):
@@ -176,4 +166,4 @@ def test_expert_parallel_replicas_on_two_nodes_step_together(two_nodes, tiny_mix
         assert_greedy_over_http(node0, tiny_mixtral_dir, count=6, seed=5)
         assert_greedy_over_http(node0, tiny_mixtral_dir, count=1, seed=6)  # one replica idles through the wave
     finally:
-        stop([node0, node1])
+        stop_servers([node0, node1])

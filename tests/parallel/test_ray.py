@@ -16,8 +16,7 @@ import psutil
 import pytest
 
 from tests.frontend.server import Server
-from tests.parallel.dp_helpers import assert_greedy_over_http
-from tests.parallel.test_expert_parallel import free_port_pair
+from tests.parallel.dp_helpers import assert_greedy_over_http, free_port_pair
 
 ray = pytest.importorskip("ray", reason="the Ray tests need `pip install fleet[ray]` (make install-test does it)")
 
