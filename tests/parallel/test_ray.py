@@ -1,6 +1,6 @@
 """Ray: workers (--distributed-executor-backend ray) and engine cores
 (--data-parallel-backend ray) as actors on a local Ray cluster of two
-virtual nodes of one CPU each, made by the test; and a job submitted with
+virtual nodes of two CPUs each, made by the test; and a job submitted with
 `ray job submit` and ended with `ray job stop`. Outputs are compared with
 transformers; nothing may be left: no actor, placement group or process."""
 from __future__ import annotations
@@ -23,12 +23,12 @@ ray = pytest.importorskip("ray", reason="the Ray tests need `pip install fleet[r
 pytestmark = pytest.mark.slow
 
 TINY = ("--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "2M")
-NODE = {"num_cpus": 1, "object_store_memory": 80 * 2**20}
+NODE = {"num_cpus": 2, "object_store_memory": 80 * 2**20}
 
 
 @pytest.fixture(scope="module")
 def two_node_cluster():
-    """Two virtual nodes with one CPU each (a dashboard for the job server and the state API)."""
+    """Two virtual nodes with two CPUs each (a dashboard for the job server and the state API)."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(
@@ -73,10 +73,11 @@ def assert_nothing_left_in_ray(timeout: float = 20.0) -> None:
 
 
 def test_ray_executor_spreads_a_replica_over_two_nodes(two_node_cluster, tiny_llama_dir):
-    server = launch(two_node_cluster, tiny_llama_dir, "--tp", "2", "--distributed-executor-backend", "ray")
+    server = launch(two_node_cluster, tiny_llama_dir, "--tp", "4", "--distributed-executor-backend", "ray")
     try:
         assert_greedy_over_http(server, tiny_llama_dir, count=4, seed=41)
-        assert bundle_nodes() == [set(node["NodeID"] for node in ray.nodes() if node["Alive"])], "one CPU per node"
+        all_nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        assert bundle_nodes() == [all_nodes], "4 workers: one node's 2 CPUs are too few"
     finally:
         server.close()
     assert_nothing_left_in_ray()
@@ -98,13 +99,13 @@ def test_ray_data_parallel_backend_places_each_engine_with_its_workers(two_node_
 def test_asking_for_more_devices_than_the_cluster_has_fails_in_time(two_node_cluster, tiny_llama_dir):
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "fleet.frontend.cli", "launch", tiny_llama_dir, "--tp", "4",
+        [sys.executable, "-m", "fleet.frontend.cli", "launch", tiny_llama_dir, "--tp", "4", "--pp", "2",
          "--distributed-executor-backend", "ray", "--distributed-timeout-seconds", "3", "--port", "0", *TINY],
         capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": two_node_cluster.address},
     )  # fmt: skip
     assert result.returncode != 0
-    assert "Ray could not place 4 workers of {'CPU': 1} within 3 s" in result.stderr, result.stderr[-3000:]
-    assert "the cluster has 2 CPU free of 2 CPU" in result.stderr
+    assert "Ray could not place 8 workers of {'CPU': 1} within 3 s" in result.stderr, result.stderr[-3000:]
+    assert "the cluster has 4 CPU free of 4 CPU" in result.stderr
     assert time.monotonic() - started < 60
     assert_nothing_left_in_ray()
 
@@ -113,7 +114,8 @@ def test_ray_job_submit_serves_http_and_ray_job_stop_ends_everything(two_node_cl
     dashboard = f"http://{two_node_cluster.webui_url}"
     port = free_port_pair()
     entrypoint = (
-        f"{sys.executable} -m fleet.frontend.cli launch {tiny_llama_dir} --tp 2 --distributed-executor-backend ray "
+        f"{sys.executable} -m fleet.frontend.cli launch {tiny_llama_dir} --tp 2 --dp 2 "
+        "--distributed-executor-backend ray "
         f"--port {port} {' '.join(TINY)}"
     )
     job_id = f"fleet-test-{os.getpid()}-{port}"
