@@ -30,7 +30,7 @@ def is_single_launch(parallel: ParallelConfig) -> bool:
 
 def engine_transport(parallel: ParallelConfig) -> str:
     """ipc:// when every engine of the job shares this node with its API servers, else tcp://."""
-    if is_single_launch(parallel):
+    if not engines_may_run_elsewhere(parallel):
         return "ipc"
     return f"tcp://{parallel.data_parallel_address}:{parallel.data_parallel_rpc_port}"
 
