@@ -86,6 +86,11 @@ class ParallelConfig:
         return self.data_parallel_size * self.tensor_parallel_size
 
     @property
+    def internal_lb(self) -> bool:
+        """Internal load balancing: one front end (node 0's API servers) reaches every engine of the job."""
+        return not (self.data_parallel_hybrid_lb or self.data_parallel_external_lb)
+
+    @property
     def replicas_step_together(self) -> bool:
         """Whether the data-parallel replicas form one world and step in
         lock-step: expert-parallel collectives of a MoE model span them."""

@@ -293,7 +293,9 @@ class EngineCoreProcess:
             sub = ipc.make_socket(self.ctx, zmq.SUB, connect=self.info.coordinator.engine_broadcast)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             subscribers.append(sub)
-        threading.Thread(target=self._input_thread, args=(dealers, subscribers), name="engine-input", daemon=True).start()
+        threading.Thread(
+            target=self._input_thread, args=(dealers, subscribers), name="engine-input", daemon=True
+        ).start()
         self._pushes = pushes
         threading.Thread(target=self._output_thread, name="engine-output", daemon=True).start()
 
@@ -302,8 +304,7 @@ class EngineCoreProcess:
         of an internal-LB job; a Ray actor) and cannot watch it; they learn
         of our death from the job's heartbeat, or from the launcher."""
         parallel = self.info.config.parallel
-        internal_lb = not (parallel.data_parallel_hybrid_lb or parallel.data_parallel_external_lb)
-        remote_node = parallel.nnodes > 1 and parallel.node_rank != 0 and internal_lb
+        remote_node = parallel.nnodes > 1 and parallel.node_rank != 0 and parallel.internal_lb
         return 0 if remote_node or parallel.data_parallel_backend == "ray" else os.getpid()
 
     def _input_thread(self, dealers: list[zmq.Socket], subscribers: list[zmq.Socket]) -> None:

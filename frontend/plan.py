@@ -51,25 +51,21 @@ def coordinator_addresses(parallel: ParallelConfig) -> CoordinatorAddresses:
     return CoordinatorAddresses(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}", ipc.new_ipc_address("coord-loads"))
 
 
-def is_internal_lb(parallel: ParallelConfig) -> bool:
-    return not (parallel.data_parallel_hybrid_lb or parallel.data_parallel_external_lb)
-
-
 def engines_use_coordinator(parallel: ParallelConfig) -> bool:
     """Engines report to the coordinator when it runs beside them, lock-step
     engines wherever they run, and every engine of an internal-LB job (its
     API servers balance over all of them)."""
-    internal_dp = parallel.data_parallel_size > 1 and is_internal_lb(parallel)
+    internal_dp = parallel.data_parallel_size > 1 and parallel.internal_lb
     return runs_dp_coordinator(parallel) or parallel.replicas_step_together or internal_dp
 
 
 def api_server_addresses(parallel: ParallelConfig, count: int) -> list[ClientAddresses]:
     """Where node 0's API servers take requests from engines. ipc:// when
-    every engine they serve is on this node; for an internal-LB job over
-    several nodes, fixed TCP ports on node 0 after the coordinator's two
-    (--data-parallel-rpc-port + 2 + 2i and + 3 + 2i for API server i), which
-    every node computes alike."""
-    if not (parallel.nnodes > 1 or parallel.data_parallel_backend == "ray") or not is_internal_lb(parallel):
+    every engine they serve is on this node (hybrid/external launches serve
+    only their own); for an internal-LB job whose engines may run elsewhere,
+    fixed TCP ports after the coordinator's two (--data-parallel-rpc-port
+    + 2 + 2i and + 3 + 2i for API server i), which every node computes alike."""
+    if not (engines_may_run_elsewhere(parallel) and parallel.internal_lb):
         return [ClientAddresses.new() for _ in range(count)]
     host, base = parallel.data_parallel_address, parallel.data_parallel_rpc_port + 2
     return [ClientAddresses(f"tcp://{host}:{base + 2 * i}", f"tcp://{host}:{base + 2 * i + 1}") for i in range(count)]
@@ -77,7 +73,7 @@ def api_server_addresses(parallel: ParallelConfig, count: int) -> list[ClientAdd
 
 def engines_per_api_server(parallel: ParallelConfig) -> int:
     """Internal LB: every engine of the job; hybrid/external: this launch's own."""
-    if is_internal_lb(parallel):
+    if parallel.internal_lb:
         return parallel.data_parallel_size
     return parallel.data_parallel_size_local
 
@@ -148,10 +144,10 @@ def node_plan(config: FleetConfig) -> dict[str, Any]:
 def _coordinator_summary(parallel: ParallelConfig) -> str | None:
     if not engines_use_coordinator(parallel):
         return None
-    if not engines_may_run_elsewhere(parallel):
+    addresses = coordinator_addresses(parallel)
+    if addresses.engine_inputs.startswith("ipc://"):
         return "ipc"
-    host, port = parallel.data_parallel_address, parallel.data_parallel_rpc_port
-    return f"tcp://{host}:{port} (votes and loads), tcp://{host}:{port + 1} (broadcast)"
+    return f"{addresses.engine_inputs} (votes and loads), {addresses.engine_broadcast} (broadcast)"
 
 
 def _api_server_summary(parallel: ParallelConfig, count: int) -> str | list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -30,6 +30,9 @@ from fleet.core.messages import (
     WorkerUtilityResult,
 )
 from fleet.parallel.dims import coord_of, node_worker_ranks, replica_spans_nodes
+
+if TYPE_CHECKING:
+    from fleet.workers.worker import WorkerStartupInfo
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +239,6 @@ class MultiprocExecutor(Executor):
 def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses) -> list[ipc.ChildProcess]:
     """Start this node's workers of replica `dp_rank` (all of them unless
     the replica spans nodes); they report Ready to the replica's executor."""
-    from fleet.workers.worker import WorkerStartupInfo
-
     parallel = config.parallel
     first = dp_rank * parallel.replica_size
     # Devices and CPU threads are shared by every worker of this node, not only this replica's.
@@ -246,20 +247,29 @@ def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses
     for rank in replica_ranks(parallel, dp_rank):
         if rank not in node_workers:
             continue
-        info = WorkerStartupInfo(
-            config=config,
-            dp_rank=dp_rank,
-            rank=rank - first,
-            local_rank=rank - node_workers.start,
-            num_local_workers=len(node_workers),
-            handshake_address=addresses.handshake,
-            plan_address=addresses.plans,
-            result_address=addresses.results,
-            store_host=addresses.store_host,
-            store_port=addresses.store_port,
-        )
+        local_rank = rank - node_workers.start
+        info = worker_startup_info(config, dp_rank, rank - first, addresses, local_rank, len(node_workers))
         workers.append(ipc.spawn("fleet.workers.worker", worker_name(parallel, rank), info))
     return workers
+
+
+def worker_startup_info(config: FleetConfig, dp_rank: int, rank: int, addresses: ReplicaAddresses,
+                        local_rank: int = 0, num_local_workers: int = 1) -> WorkerStartupInfo:
+    """What the worker of replica rank `rank` needs to meet its executor and peers."""
+    from fleet.workers.worker import WorkerStartupInfo
+
+    return WorkerStartupInfo(
+        config=config,
+        dp_rank=dp_rank,
+        rank=rank,
+        local_rank=local_rank,
+        num_local_workers=num_local_workers,
+        handshake_address=addresses.handshake,
+        plan_address=addresses.plans,
+        result_address=addresses.results,
+        store_host=addresses.store_host,
+        store_port=addresses.store_port,
+    )
 
 
 def replica_ranks(parallel: ParallelConfig, dp_rank: int) -> range:

@@ -16,7 +16,13 @@ import os
 import msgspec
 
 from fleet.config.fleet import FleetConfig
-from fleet.workers.executor import MultiprocExecutor, ReplicaAddresses, replica_ranks, worker_name
+from fleet.workers.executor import (
+    MultiprocExecutor,
+    ReplicaAddresses,
+    replica_ranks,
+    worker_name,
+    worker_startup_info,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,26 +92,20 @@ class RayExecutor(MultiprocExecutor):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from fleet.workers.worker import WorkerStartupInfo
-
         parallel = self.config.parallel
         # An engine core that is itself an actor (--data-parallel-backend ray) runs in its replica's group.
-        self.owns_placement_group = ray.util.get_current_placement_group() is None
-        self.placement_group = place_bundles(self.config, parallel.replica_size) if self.owns_placement_group \
-            else ray.util.get_current_placement_group()
+        current = ray.util.get_current_placement_group()
+        self.owns_placement_group = current is None
+        self.placement_group = current or place_bundles(self.config, parallel.replica_size)
         actor_class = ray.remote(WorkerActor)
         on_gpu = self.config.device.device == "cuda"
         handles = []
         for index, rank in enumerate(replica_ranks(parallel, self.dp_rank)):
-            info = WorkerStartupInfo(
-                config=self.config, dp_rank=self.dp_rank, rank=index, local_rank=0, num_local_workers=1,
-                handshake_address=addresses.handshake, plan_address=addresses.plans, result_address=addresses.results,
-                store_host=addresses.store_host, store_port=addresses.store_port,
-            )  # fmt: skip
+            info = worker_startup_info(self.config, self.dp_rank, index, addresses)
             name = worker_name(parallel, rank)
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
             actor = actor_class.options(
-                name=None, num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0, scheduling_strategy=strategy
+                num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0, scheduling_strategy=strategy
             ).remote()
             handles.append(RayActorHandle(name, actor, actor.run.remote(name, msgspec.msgpack.encode(info))))
         return handles

@@ -135,7 +135,8 @@ def serve_worker(name: str, info: WorkerStartupInfo) -> None:
     Ray worker actor's."""
     ctx = zmq.Context()
     try:
-        worker = Worker(info.config, info.dp_rank, info.rank, info.local_rank, info.num_local_workers, (info.store_host, info.store_port))
+        store = (info.store_host, info.store_port)
+        worker = Worker(info.config, info.dp_rank, info.rank, info.local_rank, info.num_local_workers, store)
         plans = ipc.make_socket(ctx, zmq.SUB, connect=info.plan_address)
         plans.setsockopt(zmq.SUBSCRIBE, b"")
         results = ipc.make_socket(ctx, zmq.PUSH, connect=info.result_address) if worker.is_driver else None
