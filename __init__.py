@@ -1,10 +1,37 @@
 """fleet: a multi-process, distributed LLM server with an OpenAI-compatible API."""
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "EngineArgs"]
+
+
+
+def _forget_checkout_root() -> None:
+    """Take this package's own directory (the checkout root) and its direct
+    subfolders off `sys.path`.
+
+    fleet's top-level folders (`kernels`, `config`, `core`, `tests`, ...) share
+    their names with packages on the index: with the checkout root on the path
+    (`python -m ...` or a REPL started there, a script run from `scripts/`),
+    `import kernels` inside transformers would find our `kernels/` instead of
+    Hugging Face's. Every fleet process imports `fleet` before anything else,
+    so dropping those entries here keeps each of them from shadowing. A
+    virtualenv inside the checkout is deeper than one level and stays.
+    """
+    root = os.path.dirname(os.path.abspath(__file__))
+
+    def inside(entry: str) -> bool:
+        path = os.path.abspath(entry or os.curdir)
+        return path == root or os.path.dirname(path) == root
+
+    sys.path[:] = [entry for entry in sys.path if not inside(entry)]
+
+
+_forget_checkout_root()
 
 if TYPE_CHECKING:
     from fleet.config.engine_args import EngineArgs

@@ -190,11 +190,18 @@ class ForeignProcess:
         return f"{self.name} (pid {self.pid}) " + ("is running" if self.alive() else "died")
 
 
+def python_command(module: str, *args: str) -> list[str]:
+    """`python -P -m module args...`: -P keeps the working directory off
+    `sys.path`, so a child started in the checkout (whose top-level folders
+    share names with packages on the index) imports only installed packages."""
+    return [sys.executable, "-P", "-m", module, *args]
+
+
 def spawn(module: str, name: str, info: Any, pass_fds: tuple[int, ...] = ()) -> ChildProcess:
-    """Start `python -m module --name name` with `info` (msgspec) on its stdin.
+    """Start `python -P -m module --name name` with `info` (msgspec) on its stdin.
     The name stands in the command line so `ps` shows what each process is."""
     popen = subprocess.Popen(
-        [sys.executable, "-m", module, "--name", name],
+        python_command(module, "--name", name),
         stdin=subprocess.PIPE,
         pass_fds=pass_fds,
     )

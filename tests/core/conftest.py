@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_factories import CREATED_SCHEDULERS
+
+from fleet.tests.core.scheduler_factories import CREATED_SCHEDULERS
 
 
 @pytest.fixture(autouse=True)

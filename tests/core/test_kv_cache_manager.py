@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from fleet.core.kv_cache_manager import BlockPool, KVCacheManager
 from fleet.core.request import Request
-from scheduler_factories import EOS_TOKEN_ID, create_requests
+from fleet.tests.core.scheduler_factories import EOS_TOKEN_ID, create_requests
 
 BLOCK_SIZE = 16
 

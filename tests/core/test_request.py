@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import pytest
+
 from fleet.core.request import FINISH_REASONS, Request, RequestStatus, hash_block_tokens
-from scheduler_factories import EOS_TOKEN_ID, create_requests
+from fleet.tests.core.scheduler_factories import EOS_TOKEN_ID, create_requests
 
 
 def make_request(max_model_len: int = 100, block_size: int | None = None, **kwargs) -> Request:

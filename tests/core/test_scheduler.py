@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import pytest
+
 from fleet.config.cache import CacheConfig
 from fleet.config.scheduler import SchedulerConfig
 from fleet.core.messages import ModelRunnerOutput
 from fleet.core.request import RequestStatus
 from fleet.core.scheduler import Scheduler
-from scheduler_factories import (
+from fleet.tests.core.scheduler_factories import (
     EOS_TOKEN_ID,
     FakeWorker,
     add_requests,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from scheduler_factories import FakeWorker, create_requests, create_scheduler, output_token_ids, step
+
+from fleet.tests.core.scheduler_factories import FakeWorker, create_requests, create_scheduler, output_token_ids, step
 
 
 @pytest.mark.parametrize("seed", range(6))

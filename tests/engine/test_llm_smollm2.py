@@ -9,8 +9,8 @@ import pytest
 import fleet
 from fleet import SamplingParams
 from fleet.config.model_files import default_model_path
-from tests.engine.conftest import assert_all_blocks_free, assert_no_fleet_processes
-from tests.engine.oracle import greedy, hf_model
+from fleet.tests.engine.helpers import assert_all_blocks_free, assert_no_fleet_processes
+from fleet.tests.engine.oracle import greedy, hf_model
 
 pytestmark = pytest.mark.slow
 

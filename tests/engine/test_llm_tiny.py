@@ -10,8 +10,8 @@ import torch
 
 import fleet
 from fleet import SamplingParams
-from tests.engine.conftest import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
-from tests.engine.oracle import greedy, hf_model, log_softmax
+from fleet.tests.engine.helpers import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
+from fleet.tests.engine.oracle import greedy, hf_model, log_softmax
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import pytest
 import fleet
 from fleet import SamplingParams
 from fleet.frontend.engine_client import EngineDeadError
-from tests.engine.conftest import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
-from tests.engine.oracle import greedy, hf_model
+from fleet.tests.engine.helpers import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
+from fleet.tests.engine.oracle import greedy, hf_model
 
 pytestmark = pytest.mark.slow
 

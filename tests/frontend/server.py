@@ -12,6 +12,9 @@ import time
 import httpx
 import psutil
 
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""Launches start here, as `make serve` does: the checkout's folder names must not shadow packages."""
+
 
 class Server:
     """A `fleet launch` subprocess on a free port (the launcher binds port 0 and logs the URL)."""
@@ -27,6 +30,7 @@ class Server:
             stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            cwd=CHECKOUT,
         )
         self._url_found = threading.Event()
         self.url = ""

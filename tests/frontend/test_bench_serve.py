@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.frontend.server import Server
+from fleet.tests.frontend.server import Server
 
 pytestmark = pytest.mark.slow
 

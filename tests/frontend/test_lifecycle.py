@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.frontend.server import Server
+from fleet.tests.frontend.server import Server
 
 pytestmark = pytest.mark.slow
 

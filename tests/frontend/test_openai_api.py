@@ -10,8 +10,8 @@ import pytest
 
 import fleet
 from fleet import SamplingParams
-from tests.engine.oracle import greedy, hf_model
-from tests.frontend.server import Server
+from fleet.tests.engine.oracle import greedy, hf_model
+from fleet.tests.frontend.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from fleet.parallel.moe import ExpertShard, FusedMoE
+from fleet.tests.models.paged_pair import BlockPool, Pair, assert_matches_hf, load_pair, random_tokens, run_step
+from fleet.tests.tiny_models import MOE_DIMS, write_tiny_model
 from fleet.workers.models.mixtral import MixtralForCausalLM, SparseMoeBlock
 from fleet.workers.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeSparseBlock
-from tests.conftest import MOE_DIMS, write_tiny_model
-from tests.models.test_model_vs_hf import BlockPool, Pair, assert_matches_hf, load_pair, random_tokens, run_step
 
 
 @pytest.fixture(scope="session")

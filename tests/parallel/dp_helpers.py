@@ -3,14 +3,16 @@ against transformers, metrics gathered from every API server, and launches
 that form one job (ports, starting and stopping them together)."""
 from __future__ import annotations
 
+import random
 import re
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from tests.engine.conftest import random_prompts
-from tests.engine.oracle import greedy, hf_model
-from tests.frontend.server import Server
+from fleet.tests.engine.helpers import random_prompts
+from fleet.tests.engine.oracle import greedy, hf_model
+from fleet.tests.frontend.server import Server
 
 MAX_TOKENS = 6
 
@@ -78,19 +80,36 @@ def per_engine(pages: dict[str, str], metric: str) -> dict[str, float]:
     return totals
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (--data-parallel-rpc-port uses both)."""
+def free_port_pair(span: int = 4) -> int:
+    """A port p with p .. p + span - 1 free (--data-parallel-rpc-port uses
+    p and p + 1, node 0's API server p + 2 and p + 3). Drawn below the
+    kernel's ephemeral range: a fixed port in that range can be taken at any
+    moment by a socket bound to port 0 (a store, a gloo pair) of another
+    process of the same job."""
+    low = _ephemeral_range()[0]
+    rng = random.Random()
     for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free pair of ports")
+        port = rng.randrange(max(low - 12000, 1024), low - span)
+        if all(_is_free(p) for p in range(port, port + span)):
+            return port
+    raise RuntimeError(f"no {span} free ports in a row")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except OSError:
+        return 32768, 60999
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def start_together(*launches: tuple[str, ...]) -> list[Server]:

@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from tests.frontend.server import Server
-from tests.parallel.dp_helpers import assert_greedy_over_http, metrics_of_every_api_server, per_engine
+from fleet.tests.frontend.server import Server
+from fleet.tests.parallel.dp_helpers import assert_greedy_over_http, metrics_of_every_api_server, per_engine
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import time
 import psutil
 import pytest
 
-from tests.frontend.server import Server
-from tests.parallel.dp_helpers import (
+from fleet.tests.frontend.server import Server
+from fleet.tests.parallel.dp_helpers import (
     assert_greedy_over_http,
     free_port_pair,
     metrics_of_every_api_server,

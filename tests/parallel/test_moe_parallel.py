@@ -19,9 +19,9 @@ from fleet.kernels.moe import fused_moe, select_experts
 from fleet.parallel import comm
 from fleet.parallel.dims import WorkerCoord, coord_of, parallel_groups
 from fleet.parallel.moe import ExpertShard, FusedMoE
-from tests.conftest import MOE_DIMS, write_tiny_model
-from tests.engine.conftest import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
-from tests.engine.oracle import greedy, hf_model
+from fleet.tests.engine.helpers import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
+from fleet.tests.engine.oracle import greedy, hf_model
+from fleet.tests.tiny_models import MOE_DIMS, write_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,7 @@ def test_expert_parallel_across_data_parallel_replicas(tmp_path, tp):
     # Plain subprocesses: multiprocessing would leave its resource tracker behind.
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_MAIN, str(rank), str(tp), os.fspath(tmp_path / "store")], cwd=REPO_ROOT
+            [sys.executable, "-P", "-c", RANK_MAIN, str(rank), str(tp), os.fspath(tmp_path / "store")]
         )
         for rank in range(config.world_size)
     ]
@@ -139,7 +139,7 @@ def test_expert_parallel_across_data_parallel_replicas(tmp_path, tp):
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RANK_MAIN = "import sys; from tests.parallel.test_moe_parallel import _rank_main_cli; _rank_main_cli(*sys.argv[1:])"
+RANK_MAIN = "import sys; from fleet.tests.parallel.test_moe_parallel import _rank_main_cli; _rank_main_cli(*sys.argv[1:])"
 
 
 def _dp2_config(tp: int) -> ParallelConfig:

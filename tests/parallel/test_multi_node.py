@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.frontend.server import Server
-from tests.parallel.dp_helpers import assert_greedy_over_http, free_port_pair, stop_servers
+from fleet.tests.frontend.server import Server
+from fleet.tests.parallel.dp_helpers import assert_greedy_over_http, free_port_pair, stop_servers
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.frontend.server import Server
-from tests.parallel.dp_helpers import assert_greedy_over_http, free_port_pair
+from fleet.tests.frontend.server import Server
+from fleet.tests.parallel.dp_helpers import assert_greedy_over_http, free_port_pair
 
 ray = pytest.importorskip("ray", reason="the Ray tests need `pip install fleet[ray]` (make install-test does it)")
 

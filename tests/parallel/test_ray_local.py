@@ -5,8 +5,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from tests.frontend.server import Server
-from tests.parallel.dp_helpers import assert_greedy_over_http
+from fleet.tests.frontend.server import Server
+from fleet.tests.parallel.dp_helpers import assert_greedy_over_http
 
 pytest.importorskip("ray", reason="the Ray tests need `pip install fleet[ray]` (make install-test does it)")
 

@@ -11,9 +11,9 @@ import pytest
 
 import fleet
 from fleet import SamplingParams
-from tests.engine.conftest import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
-from tests.engine.oracle import greedy, hf_model
-from tests.frontend.server import Server
+from fleet.tests.engine.helpers import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
+from fleet.tests.engine.oracle import greedy, hf_model
+from fleet.tests.frontend.server import Server
 
 pytestmark = pytest.mark.slow
 
