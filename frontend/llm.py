@@ -14,6 +14,7 @@ from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.engine_client import EngineClient, EngineDeadError
 from fleet.frontend.output_processor import RequestOutput, RequestState, child_requests
 from fleet.frontend.tokenizer import load_tokenizer
+from fleet.workers.memory import check_fits, node_memory
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -28,6 +29,8 @@ class LLM:
                 "fleet.LLM runs one replica: serve --data-parallel-size > 1 with `fleet launch` "
                 f"(got data_parallel_size={self.config.parallel.data_parallel_size})"
             )
+        if self.config.device.device == "cpu":
+            check_fits(node_memory(self.config))  # refuse now what the OOM killer would end later
         self.tokenizer = load_tokenizer(self.config.model)
         self._requests: dict[str, tuple[RequestState, int]] = {}  # engine request id -> (state, sequence index)
         self._lock = threading.Lock()

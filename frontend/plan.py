@@ -11,16 +11,15 @@ from fleet.config.parallel import ParallelConfig
 from fleet.core import ipc
 from fleet.core.dp_coordinator import CoordinatorAddresses
 from fleet.frontend.engine_client import ClientAddresses
-from fleet.parallel.dims import coord_of, node_engine_ranks, node_worker_ranks, parallel_groups
-
-
-def runs_api_servers(parallel: ParallelConfig) -> bool:
-    return not parallel.headless
-
-
-def runs_dp_coordinator(parallel: ParallelConfig) -> bool:
-    """The coordinator runs beside data-parallel rank 0, when there are several ranks."""
-    return parallel.data_parallel_size > 1 and 0 in node_engine_ranks(parallel)
+from fleet.parallel.dims import (
+    coord_of,
+    node_engine_ranks,
+    node_worker_ranks,
+    parallel_groups,
+    runs_api_servers,
+    runs_dp_coordinator,
+)
+from fleet.workers.memory import node_memory, planned_kv_cache_bytes
 
 
 def is_single_launch(parallel: ParallelConfig) -> bool:
@@ -98,6 +97,7 @@ def node_processes(config: FleetConfig) -> list[dict[str, Any]]:
                 "executor": parallel.distributed_executor_backend,
             }
         )
+    kv_cache_bytes = planned_kv_cache_bytes(config)
     for local_rank, rank in enumerate(node_worker_ranks(parallel)):
         coord = coord_of(parallel, rank)
         processes.append(
@@ -110,6 +110,7 @@ def node_processes(config: FleetConfig) -> list[dict[str, Any]]:
                 "pp_rank": coord.pp,
                 "tp_rank": coord.tp,
                 "device": "cpu" if config.device.device == "cpu" else f"cuda:{local_rank}",
+                "kv_cache_bytes": kv_cache_bytes if kv_cache_bytes is not None else "profiled at start-up",
             }
         )
     return processes
@@ -134,11 +135,19 @@ def node_plan(config: FleetConfig) -> dict[str, Any]:
         "model": config.model.summary(),
         "scheduler": dataclasses.asdict(config.scheduler),
         "cache": dataclasses.asdict(config.cache),
+        "memory": _memory_summary(config),
         "device": dataclasses.asdict(config.device),
         "load": dataclasses.asdict(config.load),
         "frontend": {k: v for k, v in dataclasses.asdict(config.frontend).items() if k != "api_key"},
         "compilation": dataclasses.asdict(config.compilation),
     }
+
+
+def _memory_summary(config: FleetConfig) -> dict[str, Any] | str:
+    """The node's memory plan (CPU workers); on CUDA each worker profiles its device."""
+    if config.device.device == "cuda":
+        return "each worker profiles its GPU at start-up (--gpu-memory-utilization)"
+    return node_memory(config).summary()
 
 
 def _coordinator_summary(parallel: ParallelConfig) -> str | None:

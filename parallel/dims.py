@@ -83,6 +83,15 @@ def node_engine_ranks(config: ParallelConfig) -> list[int]:
     return [dp for dp in range(first_dp, first_dp + local) if dp * config.replica_size in workers]
 
 
+def runs_api_servers(config: ParallelConfig) -> bool:
+    return not config.headless
+
+
+def runs_dp_coordinator(config: ParallelConfig) -> bool:
+    """The coordinator runs beside data-parallel rank 0, when there are several ranks."""
+    return config.data_parallel_size > 1 and 0 in node_engine_ranks(config)
+
+
 def engine_node(config: ParallelConfig, dp_rank: int) -> int:
     """The node that runs replica `dp_rank`'s engine core: that of its first worker."""
     if config.nnodes == 1:

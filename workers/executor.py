@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
@@ -30,9 +30,7 @@ from fleet.core.messages import (
     WorkerUtilityResult,
 )
 from fleet.parallel.dims import coord_of, node_worker_ranks, replica_spans_nodes
-
-if TYPE_CHECKING:
-    from fleet.workers.worker import WorkerStartupInfo
+from fleet.workers.memory import planned_kv_cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +54,27 @@ class Executor:
         raise NotImplementedError
 
 
+class WorkerStartupInfo(msgspec.Struct):
+    """What a worker process (or Ray worker actor) receives on start-up."""
+
+    config: FleetConfig
+    dp_rank: int
+    rank: int
+    """Rank within the replica: pp * TP + tp."""
+    local_rank: int
+    num_local_workers: int
+    handshake_address: str
+    plan_address: str
+    """The engine's broadcast (XPUB) socket."""
+    result_address: str
+    """The engine's PULL socket; only the driver sends on it."""
+    kv_cache_bytes: int | None
+    """This worker's KV cache budget from the node's memory plan; None: profile the device (CUDA)."""
+    store_host: str = ""
+    store_port: int = 0
+    """The executor's TCPStore, where the replica's workers meet (several workers only)."""
+
+
 class UniExecutor(Executor):
     def __init__(self, config: FleetConfig, dp_rank: int):
         self.config = config
@@ -64,7 +83,7 @@ class UniExecutor(Executor):
     def start(self) -> KVCapacity:
         from fleet.workers.worker import Worker
 
-        self.worker = Worker(self.config, self.dp_rank)
+        self.worker = Worker(self.config, self.dp_rank, kv_cache_bytes=planned_kv_cache_bytes(self.config))
         num_blocks = self.worker.available_kv_blocks()
         self.worker.init_kv_cache(num_blocks)
         return KVCapacity(num_blocks, self.config.cache.block_size)
@@ -255,9 +274,8 @@ def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses
 
 def worker_startup_info(config: FleetConfig, dp_rank: int, rank: int, addresses: ReplicaAddresses,
                         local_rank: int = 0, num_local_workers: int = 1) -> WorkerStartupInfo:
-    """What the worker of replica rank `rank` needs to meet its executor and peers."""
-    from fleet.workers.worker import WorkerStartupInfo
-
+    """What the worker of replica rank `rank` needs to meet its executor and
+    peers, and its share of this node's memory."""
     return WorkerStartupInfo(
         config=config,
         dp_rank=dp_rank,
@@ -267,6 +285,7 @@ def worker_startup_info(config: FleetConfig, dp_rank: int, rank: int, addresses:
         handshake_address=addresses.handshake,
         plan_address=addresses.plans,
         result_address=addresses.results,
+        kv_cache_bytes=planned_kv_cache_bytes(config),
         store_host=addresses.store_host,
         store_port=addresses.store_port,
     )

@@ -1,6 +1,9 @@
 """One step on one worker: step plan -> batch tensors -> forward -> sample."""
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from fleet.config.fleet import FleetConfig
@@ -38,7 +41,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
+        allocate = _zeros_committed_on_use if self.device.type == "cpu" else torch.zeros
+        self.kv_caches = [allocate(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
 
     # ---- one step ---------------------------------------------------------------------
 
@@ -109,6 +113,16 @@ class ModelRunner:
                 ]
             offset += n
         return result
+
+
+def _zeros_committed_on_use(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros in an anonymous mapping: the kernel hands out zero pages as they
+    are first written, so the KV cache holds RAM for the blocks used, not for
+    its whole budget (torch.zeros would write every page at start-up). The
+    mapping is still reserved memory to Linux (Committed_AS), which the
+    memory plan of a later launch counts as used."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 def _eos_token_ids(hf_config: dict) -> list[int]:

@@ -170,7 +170,8 @@ class WorkerActor:
     """The body of a worker actor: the actor process is the worker process."""
 
     def run(self, name: str, info: bytes) -> None:
-        from fleet.workers.worker import WorkerStartupInfo, serve_worker
+        from fleet.workers.executor import WorkerStartupInfo
+        from fleet.workers.worker import serve_worker
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
         serve_worker(name, msgspec.msgpack.decode(info, type=WorkerStartupInfo))

@@ -12,8 +12,6 @@ import os
 import sys
 import traceback
 
-import msgspec
-import psutil
 import torch
 import zmq
 
@@ -31,39 +29,23 @@ from fleet.core.messages import (
     WorkerUtilityCall,
     WorkerUtilityResult,
 )
+from fleet.workers.executor import WorkerStartupInfo
 
 logger = logging.getLogger(__name__)
-
-CPU_KV_CACHE_DEFAULT_CAP = 4 * 2**30
-"""On the CPU, without --kv-cache-memory-bytes, the KV cache takes at most this."""
-
-
-class WorkerStartupInfo(msgspec.Struct):
-    config: FleetConfig
-    dp_rank: int
-    rank: int
-    """Rank within the replica: pp * TP + tp."""
-    local_rank: int
-    num_local_workers: int
-    handshake_address: str
-    plan_address: str
-    """The engine's broadcast (XPUB) socket."""
-    result_address: str
-    """The engine's PULL socket; only the driver sends on it."""
-    store_host: str = ""
-    store_port: int = 0
-    """The executor's TCPStore, where the replica's workers meet (several workers only)."""
 
 
 class Worker:
     def __init__(self, config: FleetConfig, dp_rank: int = 0, rank: int = 0, local_rank: int = 0,
-                 num_local_workers: int = 1, store: tuple[str, int] = ("", 0)):
+                 num_local_workers: int = 1, store: tuple[str, int] = ("", 0), kv_cache_bytes: int | None = None):
+        """`kv_cache_bytes`: this worker's KV cache budget (the node's memory
+        plan or --kv-cache-memory-bytes); None profiles the device (CUDA)."""
         from fleet.parallel.dims import driver_rank
         from fleet.parallel.groups import init_worker_groups
         from fleet.workers.loader import load_model
         from fleet.workers.model_runner import TORCH_DTYPES, ModelRunner
 
         self.config = config
+        self.kv_cache_bytes = kv_cache_bytes
         self.device = _init_device(config, local_rank, num_local_workers)
         init_worker_groups(config, dp_rank, rank, *store)
         torch.manual_seed(config.model.seed)
@@ -89,15 +71,13 @@ class Worker:
         return int(num_blocks)
 
     def _kv_cache_budget_bytes(self) -> int:
-        cache = self.config.cache
-        if cache.kv_cache_memory_bytes is not None:
-            return cache.kv_cache_memory_bytes
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            reserve = total * (1 - cache.gpu_memory_utilization)
-            return int(max(free - reserve, 0) * 0.9)  # 10 % headroom for activations
-        available = psutil.virtual_memory().available
-        return int(min(available * cache.gpu_memory_utilization * 0.5, CPU_KV_CACHE_DEFAULT_CAP))
+        if self.kv_cache_bytes is not None:
+            return self.kv_cache_bytes
+        if self.device.type != "cuda":
+            raise ValueError("a CPU worker needs its KV cache budget from the node's memory plan")
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = total * (1 - self.config.cache.gpu_memory_utilization)
+        return int(max(free - reserve, 0) * 0.9)  # 10 % headroom for activations
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
@@ -136,7 +116,8 @@ def serve_worker(name: str, info: WorkerStartupInfo) -> None:
     ctx = zmq.Context()
     try:
         store = (info.store_host, info.store_port)
-        worker = Worker(info.config, info.dp_rank, info.rank, info.local_rank, info.num_local_workers, store)
+        worker = Worker(info.config, info.dp_rank, info.rank, info.local_rank, info.num_local_workers, store,
+                        info.kv_cache_bytes)
         plans = ipc.make_socket(ctx, zmq.SUB, connect=info.plan_address)
         plans.setsockopt(zmq.SUBSCRIBE, b"")
         results = ipc.make_socket(ctx, zmq.PUSH, connect=info.result_address) if worker.is_driver else None

@@ -1,0 +1,109 @@
+"""The node's memory plan on the CPU (fleet.workers.memory): one budget for
+the node, divided among its local workers, no more KV cache than the launch
+can use, and clear errors naming the flags when it cannot fit."""
+from __future__ import annotations
+
+import pytest
+
+from fleet.config import EngineArgs, FleetConfig
+from fleet.frontend.plan import node_plan
+from fleet.workers.memory import (
+    KV_SHARE_OF_NODE,
+    blocks_per_sequence,
+    check_fits,
+    kv_bytes_per_block,
+    node_memory,
+    usable_kv_cache_bytes,
+    worker_weight_bytes,
+)
+
+GiB = 2**30
+NODE = 24 * GiB
+"""The machine the issue names: 2 cores, 24 GiB."""
+
+
+def create(model, **fields) -> FleetConfig:
+    return EngineArgs(model=str(model), device="cpu", **fields).create_config()
+
+
+def test_the_node_budget_is_divided_among_its_workers(llama_config_dir):
+    config = create(llama_config_dir, tensor_parallel_size=2, data_parallel_size=2, max_num_seqs=100_000)
+    plan = node_memory(config, node_bytes=NODE)
+    assert plan.num_workers == 4
+    assert plan.kv_cache_source == "the node's share"
+    assert plan.worker.kv_cache == pytest.approx(KV_SHARE_OF_NODE * NODE / 4, rel=1e-6)
+    assert plan.footprint <= config.cache.gpu_memory_utilization * NODE
+
+
+def test_no_more_kv_cache_than_the_launch_can_use(llama_config_dir):
+    config = create(llama_config_dir, max_num_seqs=8, max_model_len=256)
+    plan = node_memory(config, node_bytes=NODE)
+    assert plan.kv_cache_source == "--max-num-seqs x --max-model-len"
+    assert plan.worker.kv_cache == 8 * blocks_per_sequence(config) * kv_bytes_per_block(config)
+    assert plan.worker.kv_cache == usable_kv_cache_bytes(config)
+
+
+def test_eight_workers_of_tp4_dp2_fit_a_24_gib_node(llama_config_dir):
+    config = create(llama_config_dir, tensor_parallel_size=4, data_parallel_size=2, max_num_seqs=100_000)
+    plan = node_memory(config, node_bytes=NODE)
+    assert plan.num_workers == 8
+    assert plan.footprint <= 0.9 * NODE
+    check_fits(plan, free_bytes=int(0.95 * NODE))
+
+
+def test_the_kv_block_holds_each_workers_shard(llama_config_dir):
+    """2 layers, 2 KV heads of 16 dims, float32: tp=2 halves the heads, pp=2 the layers."""
+    one = kv_bytes_per_block(create(llama_config_dir, dtype="float32"))
+    assert one == 2 * 16 * 2 * 16 * 2 * 4
+    assert kv_bytes_per_block(create(llama_config_dir, dtype="float32", tensor_parallel_size=2)) == one // 2
+    assert kv_bytes_per_block(create(llama_config_dir, dtype="float32", pipeline_parallel_size=2)) == one // 2
+    # 2 KV heads over 4 ranks: each rank keeps one replicated head.
+    assert kv_bytes_per_block(create(llama_config_dir, dtype="float32", tensor_parallel_size=4)) == one // 2
+
+
+def test_a_sequence_that_does_not_fit_names_the_flags(llama_config_dir):
+    config = create(llama_config_dir)
+    with pytest.raises(ValueError, match="--max-model-len .*--tp, --pp, --dp.*--kv-cache-memory-bytes"):
+        node_memory(config, node_bytes=4 * 2**20)
+
+
+def test_a_too_small_kv_cache_flag_names_it(llama_config_dir):
+    config = create(llama_config_dir, kv_cache_memory_bytes=1024)
+    with pytest.raises(ValueError, match="--kv-cache-memory-bytes 1.00 KiB holds less than one sequence"):
+        node_memory(config, node_bytes=NODE)
+
+
+def test_the_flag_sets_each_workers_kv_cache(llama_config_dir):
+    config = create(llama_config_dir, kv_cache_memory_bytes="64M", tensor_parallel_size=2)
+    plan = node_memory(config, node_bytes=NODE)
+    assert plan.worker.kv_cache == 64 * 2**20 and plan.kv_cache_source == "--kv-cache-memory-bytes"
+
+
+def test_a_launch_that_does_not_fit_the_free_memory_names_the_flags(llama_config_dir):
+    plan = node_memory(create(llama_config_dir, kv_cache_memory_bytes="8G", data_parallel_size=2), node_bytes=NODE)
+    with pytest.raises(ValueError, match=r"needs 1[0-9]\.\d\d GiB .* but 4.00 GiB is free.*--kv-cache-memory-bytes"):
+        check_fits(plan, free_bytes=4 * GiB)
+
+
+def test_fleet_plan_shows_each_workers_budget(llama_config_dir):
+    config = create(llama_config_dir, tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)
+    plan = node_plan(config)
+    workers = [p for p in plan["processes"] if p["kind"] == "worker"]
+    assert len(workers) == 8
+    budget = plan["memory"]["per_worker"]["kv_cache"]
+    assert budget > 0 and all(p["kv_cache_bytes"] == budget for p in workers)
+    assert plan["memory"]["workers"] == 8 and plan["memory"]["footprint_bytes"] > 8 * budget
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mixtral_dir", "tiny_qwen2_moe_dir"])
+def test_weight_estimate_matches_the_models_parameters(request, fixture):
+    """The estimate from config.json alone, against transformers' parameter count."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = request.getfixturevalue(fixture)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    actual = sum(p.numel() for p in hf.parameters()) * 4
+    estimate = worker_weight_bytes(create(model_dir, dtype="float32"))
+    assert estimate == pytest.approx(actual, rel=0.05)
+    halves = worker_weight_bytes(create(model_dir, dtype="float32", tensor_parallel_size=2))
+    assert halves == pytest.approx(actual / 2, rel=0.05)

@@ -1,0 +1,80 @@
+"""The node's memory plan, end to end: launches of 8 workers with default
+memory flags start and serve on this machine, every worker gets the KV cache
+that `fleet plan` shows, a KV cache holds RAM only as it fills, and a launch
+that cannot fit is refused before anything starts."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from fleet.config import EngineArgs
+from fleet.tests.frontend.server import CHECKOUT, Server
+from fleet.tests.parallel.dp_helpers import assert_greedy_over_http
+from fleet.workers.memory import kv_bytes_per_block
+
+pytestmark = pytest.mark.slow
+
+TINY = ("--dtype", "float32", "--device", "cpu")
+LAYOUTS = [("--tp", "4", "--dp", "2"), ("--tp", "2", "--pp", "2", "--dp", "2")]
+KV_LAYOUT = {  # what shapes a worker's KV block in each layout
+    LAYOUTS[0]: dict(tensor_parallel_size=4),
+    LAYOUTS[1]: dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+}
+
+
+def planned(model_dir: str, layout: tuple[str, ...]) -> dict:
+    """`fleet plan`'s memory for this layout, and the KV blocks each replica gets from it."""
+    done = subprocess.run([sys.executable, "-P", "-m", "fleet.frontend.cli", "plan", model_dir, *layout, *TINY],
+                          capture_output=True, text=True, timeout=120, check=True)
+    plan = json.loads(done.stdout)
+    workers = [p for p in plan["processes"] if p["kind"] == "worker"]
+    memory = plan["memory"]
+    assert all(w["kv_cache_bytes"] == memory["per_worker"]["kv_cache"] for w in workers)
+    config = EngineArgs(model=model_dir, dtype="float32", device="cpu", **KV_LAYOUT[layout]).create_config()
+    return {**memory, "blocks": memory["per_worker"]["kv_cache"] // kv_bytes_per_block(config)}
+
+
+def tree_rss(server: Server) -> int:
+    processes = [psutil.Process(server.proc.pid), *server.descendants]
+    return sum(p.memory_info().rss for p in processes)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eight_workers_with_default_memory_flags_serve(tiny_llama_dir, layout):
+    plan = planned(tiny_llama_dir, layout)
+    server = Server(tiny_llama_dir, *layout, *TINY)
+    try:
+        assert len(server.children_named("fleet-worker-")) == 8
+        assert_greedy_over_http(server, tiny_llama_dir, count=8, seed=3)
+        blocks = [int(b) for b in re.findall(r"KV cache of (\d+) blocks", "".join(server.log))]
+        assert blocks == [plan["blocks"]] * 2, "each replica's workers got the planned budget"
+        assert tree_rss(server) <= plan["footprint_bytes"]
+    finally:
+        server.close()
+
+
+def test_a_kv_cache_holds_ram_only_as_it_fills(tiny_llama_dir):
+    server = Server(tiny_llama_dir, *TINY, "--kv-cache-memory-bytes", "4G")
+    try:
+        assert_greedy_over_http(server, tiny_llama_dir, count=4, seed=4)
+        worker = server.children_named("fleet-worker-")[0]
+        assert worker.memory_info().rss < 2**30, "the 4 GiB cache is reserved, not resident"
+    finally:
+        server.close()
+
+
+def test_a_launch_that_cannot_fit_is_refused_before_it_starts(tiny_llama_dir):
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "fleet.frontend.cli", "launch", tiny_llama_dir, *TINY, "--dp", "2",
+         "--kv-cache-memory-bytes", "200G"],
+        capture_output=True, text=True, timeout=120, cwd=CHECKOUT,
+    )
+    assert done.returncode == 2
+    message = done.stderr.strip().splitlines()[-1]
+    assert re.search(r"this launch needs 40\d\.\d\d GiB of memory on this node but .* is free", message), message
+    assert "--kv-cache-memory-bytes" in message and "--tp, --pp, --dp" in message
