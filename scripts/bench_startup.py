@@ -1,8 +1,14 @@
 """Start-up time: from `fleet launch` to the first successful completion.
 
-    python scripts/bench_startup.py [--runs 3] [-- extra launch flags]
+    python scripts/bench_startup.py [--runs 3] [--no-prebuilt-kernels] [-- extra launch flags]
 
-Prints each run and the median. Uses the default model unless flags say otherwise.
+The first run starts as the first launch after `make install` does: with an
+empty fleet cache (nothing derived from the model's files yet) and the CPU
+kernels that `make install` built (--no-prebuilt-kernels: built at start-up
+too, into an empty torch extensions folder). The other runs are warm restarts
+with the cache the first one filled. Each run also prints the resident memory
+of the whole process tree once it answered. Uses the default model unless the
+flags say otherwise.
 """
 from __future__ import annotations
 
@@ -12,25 +18,29 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
+import psutil
 
 PORT = 8123
 
 
-def one_run(extra: list[str]) -> float:
+def one_run(extra: list[str], env: dict[str, str]) -> tuple[float, int]:
+    """Seconds to the first completion, and the tree's RSS then."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "fleet.frontend.cli", "launch", "--port", str(PORT), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "fleet.frontend.cli", "launch", "--port", str(PORT), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"fleet launch exited with {proc.returncode}")
             try:
-                response = httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=5)
+                body = {"prompt": "Hi", "max_tokens": 1}
+                response = httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", json=body, timeout=5)
                 if response.status_code == 200:
-                    return time.perf_counter() - start
+                    return time.perf_counter() - start, tree_rss(proc.pid)
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
@@ -39,17 +49,32 @@ def one_run(extra: list[str]) -> float:
         proc.wait(30)
 
 
+def tree_rss(pid: int) -> int:
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, help="the first start and runs - 1 warm restarts")
+    parser.add_argument("--no-prebuilt-kernels", action="store_true",
+                        help="the first start also builds the CPU kernels (an empty TORCH_EXTENSIONS_DIR)")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    times = []
-    for run in range(args.runs):
-        seconds = one_run(extra)
-        times.append(seconds)
-        print(f"run {run + 1}: {seconds:.2f} s from `fleet launch` to the first completion")
-    print(f"median: {statistics.median(times):.2f} s ({os.cpu_count()} CPUs)")
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-startup-") as scratch:
+        env = {**os.environ, "FLEET_CACHE_DIR": os.path.join(scratch, "fleet-cache")}
+        if args.no_prebuilt_kernels:
+            env["TORCH_EXTENSIONS_DIR"] = os.path.join(scratch, "torch-extensions")
+        warm = []
+        for run in range(args.runs):
+            seconds, rss = one_run(extra, env)
+            kind = "first start (empty fleet cache)" if run == 0 else "warm restart"
+            print(f"run {run + 1}: {seconds:.2f} s to the first completion, {kind}; "
+                  f"process tree RSS {rss / 2**30:.2f} GiB")
+            if run:
+                warm.append(seconds)
+    if warm:
+        print(f"warm restart median: {statistics.median(warm):.2f} s ({os.cpu_count()} CPUs)")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, dtype: torch.
         _init_dummy_weights(model)
     else:
         path = model_config.model_path or model_config.model
-        model.load_weights(iterate_weights(path, load_config.load_format))
+        model.load_weights(iterate_weights(path, load_config.load_format, dtype))
     return model.eval()
 
 
@@ -60,16 +60,19 @@ def _init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.data.normal_(0.0, 0.02, generator=generator)
 
 
-def iterate_weights(model_path: str, load_format: str = "auto") -> Iterator[tuple[str, Any]]:
+def iterate_weights(model_path: str, load_format: str = "auto",
+                    dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, Any]]:
     """(HF name, weight) pairs of a checkpoint.
 
     safetensors: weights are `safe_open(...).get_slice(name)` objects, read
-    lazily by the layers' loaders. GGUF: dequantised float32 tensors.
+    lazily by the layers' loaders. GGUF: the same, from the file's weights
+    dequantised into `dtype` once and kept in fleet's cache (see
+    `dequantized_gguf`).
     """
     if load_format == "auto":
         load_format = "gguf" if model_path.endswith(".gguf") else "safetensors"
     if load_format == "gguf":
-        return _gguf_weights(model_path)
+        return _safetensors_file_weights(dequantized_gguf(model_path, dtype))
     if load_format == "safetensors":
         return _safetensors_weights(model_path)
     raise ValueError(f"--load-format {load_format!r} has no weights to read (expected auto, safetensors or gguf)")
@@ -90,12 +93,35 @@ def safetensors_files(directory: str) -> list[str]:
 
 
 def _safetensors_weights(directory: str) -> Iterator[tuple[str, Any]]:
+    for file in safetensors_files(directory):
+        yield from _safetensors_file_weights(file)
+
+
+def _safetensors_file_weights(file: str) -> Iterator[tuple[str, Any]]:
     from safetensors import safe_open
 
-    for file in safetensors_files(directory):
-        with safe_open(file, framework="pt") as checkpoint:
-            for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, checkpoint.get_slice(name)
+    with safe_open(file, framework="pt") as checkpoint:
+        for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
+            yield name, checkpoint.get_slice(name)
+
+
+def dequantized_gguf(path: str, dtype: torch.dtype) -> str:
+    """A safetensors file of the GGUF file's weights, dequantised into `dtype`
+    under HF names, made on first use and kept in fleet's cache (keyed by the
+    file's path, size and mtime). Parsing a GGUF file and dequantising it takes
+    seconds (the default model: about 6 s); reading the kept file is a mmap."""
+    from safetensors.torch import save_file
+
+    from fleet.config.derived_cache import derived_path
+
+    cached = derived_path(path, f"gguf-weights-{str(dtype).removeprefix('torch.')}") + ".safetensors"
+    if not os.path.isfile(cached):
+        weights = {name: weight.to(dtype).contiguous() for name, weight in _gguf_weights(path)}
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        temporary = f"{cached}.{os.getpid()}.tmp"  # workers of one launch may derive it at once: last rename wins
+        save_file(weights, temporary)
+        os.replace(temporary, cached)
+    return cached
 
 
 def gguf_to_hf_name(gguf_name: str) -> str | None:

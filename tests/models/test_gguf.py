@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -61,3 +63,27 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
     # llama.cpp convert_hf_to_gguf.py: reshape(n_head, 2, dim // n_head // 2, ...).swapaxes(1, 2)
     permuted = weight.reshape(num_heads, 2, head_dim // 2, hidden).transpose(1, 2).reshape(weight.shape)
     assert torch.equal(unpermute_qk_rows(permuted, num_heads), weight)
+
+
+def test_fleet_prepare_keeps_the_dequantised_weights_and_tokenizer(gguf_path: str, tmp_path) -> None:
+    """`fleet prepare` (what `make install` runs) leaves in fleet's cache exactly
+    the weights a direct dequantisation gives, and the converted tokenizer,
+    so that the first launch reads them instead of parsing the GGUF file."""
+    from safetensors import safe_open
+
+    from fleet.workers.loader import _gguf_weights
+
+    cache = tmp_path / "fleet-cache"
+    done = subprocess.run(
+        [sys.executable, "-P", "-m", "fleet.frontend.cli", "prepare", "--dtype", "float32", "--device", "cpu"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "FLEET_CACHE_DIR": str(cache)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list((cache / "gguf-tokenizer").glob("*/tokenizer_config.json"))
+    (kept,) = (cache / "gguf-weights-float32").glob("*.safetensors")
+    with safe_open(kept, framework="pt") as weights:
+        names = set(weights.keys())  # noqa: SIM118 (safe_open is not a dict)
+        for name, expected in _gguf_weights(gguf_path):
+            assert torch.equal(weights.get_tensor(name), expected), name
+            names.remove(name)
+    assert not names
