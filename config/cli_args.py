@@ -14,8 +14,8 @@ import msgspec
 import yaml
 
 from fleet.config.engine_args import FLAT_GROUPS, NESTED_GROUPS, EngineArgs, user_fields
-from fleet.config.model import DEFAULT_MODEL
 from fleet.config.fields import HumanReadable, attribute_docs, expand_human_numbers_in_json, parse_human_int
+from fleet.config.model import DEFAULT_MODEL
 
 ALIASES: dict[str, list[str]] = {
     "tensor_parallel_size": ["-tp", "--tp"],

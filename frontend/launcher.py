@@ -23,9 +23,8 @@ from fleet.frontend.plan import (
     coordinator_addresses,
     engines_per_api_server,
     engines_use_coordinator,
-    runs_dp_coordinator,
 )
-from fleet.parallel.dims import node_engine_ranks, replicas_served_from_elsewhere
+from fleet.parallel.dims import node_engine_ranks, replicas_served_from_elsewhere, runs_dp_coordinator
 
 if TYPE_CHECKING:
     from fleet.parallel.job_store import JobStore

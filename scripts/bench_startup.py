@@ -1,12 +1,13 @@
 """Start-up time: from `fleet launch` to the first successful completion.
 
-    python scripts/bench_startup.py [--runs 3] [--no-prebuilt-kernels] [-- extra launch flags]
+    python scripts/bench_startup.py [--runs 3] [--prepared | --no-prebuilt-kernels] [-- extra launch flags]
 
-The first run starts as the first launch after `make install` does: with an
-empty fleet cache (nothing derived from the model's files yet) and the CPU
-kernels that `make install` built (--no-prebuilt-kernels: built at start-up
-too, into an empty torch extensions folder). The other runs are warm restarts
-with the cache the first one filled. Each run also prints the resident memory
+The first run is a first launch: by default with an empty fleet cache (nothing
+derived from the model's files yet, as without `fleet prepare`) and the CPU
+kernels that `make install` built; --prepared: with fleet's own cache as
+`make install` (`fleet prepare`) left it, i.e. the first launch after install;
+--no-prebuilt-kernels: the kernels are built at start-up too, into an empty
+torch extensions folder. The other runs are warm restarts. Each run also prints the resident memory
 of the whole process tree once it answered. Uses the default model unless the
 flags say otherwise.
 """
@@ -57,18 +58,23 @@ def tree_rss(pid: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="the first start and runs - 1 warm restarts")
+    parser.add_argument("--prepared", action="store_true",
+                        help="the first start uses fleet's cache as `make install` left it")
     parser.add_argument("--no-prebuilt-kernels", action="store_true",
                         help="the first start also builds the CPU kernels (an empty TORCH_EXTENSIONS_DIR)")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     with tempfile.TemporaryDirectory(prefix="fleet-bench-startup-") as scratch:
-        env = {**os.environ, "FLEET_CACHE_DIR": os.path.join(scratch, "fleet-cache")}
+        env = dict(os.environ)
+        if not args.prepared:
+            env["FLEET_CACHE_DIR"] = os.path.join(scratch, "fleet-cache")
         if args.no_prebuilt_kernels:
             env["TORCH_EXTENSIONS_DIR"] = os.path.join(scratch, "torch-extensions")
         warm = []
         for run in range(args.runs):
             seconds, rss = one_run(extra, env)
-            kind = "first start (empty fleet cache)" if run == 0 else "warm restart"
+            first = "first start (prepared cache)" if args.prepared else "first start (empty fleet cache)"
+            kind = first if run == 0 else "warm restart"
             print(f"run {run + 1}: {seconds:.2f} s to the first completion, {kind}; "
                   f"process tree RSS {rss / 2**30:.2f} GiB")
             if run:

@@ -39,7 +39,8 @@ WORKER_RUNTIME_BYTES = 512 * 2**20
 KV cache (measured about 260 MiB resident for the default model)."""
 
 SERVICE_PROCESS_BYTES = 384 * 2**20
-"""Each launcher, API server, engine core or coordinator (measured 150-320 MiB)."""
+"""Each launcher, API server, engine core or coordinator (measured for the default model:
+launcher 52 MiB, API server 320 MiB, engine core 32 MiB resident)."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATION_BYTES = 4

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fleet.config import EngineArgs
 from fleet.config.cli_args import parse_engine_args
 from fleet.frontend.cli import launch_parser

@@ -9,6 +9,7 @@ import typing
 from typing import Literal
 
 import pytest
+
 from fleet.config import CompilationConfig, EngineArgs
 from fleet.config.cli_args import argparse_kwargs, flag_name
 from fleet.config.engine_args import FLAT_GROUPS, NESTED_GROUPS, user_fields

@@ -8,6 +8,7 @@ import importlib.util
 import json
 
 import pytest
+
 from fleet.config import CompilationConfig, EngineArgs, FleetConfig
 from fleet.config.model import DEFAULT_MODEL
 from fleet.config.model_files import DEFAULT_MODEL_PACKAGE

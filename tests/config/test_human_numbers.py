@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from fleet.config.fields import expand_human_numbers_in_json, parse_human_int
 
 

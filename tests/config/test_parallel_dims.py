@@ -7,6 +7,7 @@ import itertools
 from typing import Any
 
 import pytest
+
 from fleet.config.parallel import ParallelConfig
 from fleet.parallel.dims import (
     WorkerCoord,

@@ -7,6 +7,7 @@ import logging
 from typing import Any, NamedTuple
 
 import pytest
+
 from fleet.config.parallel import ParallelConfig
 
 

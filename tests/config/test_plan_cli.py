@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+
 from fleet.config import EngineArgs
 from fleet.frontend.cli import main
 from fleet.frontend.plan import node_plan

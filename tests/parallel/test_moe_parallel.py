@@ -139,7 +139,9 @@ def test_expert_parallel_across_data_parallel_replicas(tmp_path, tp):
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RANK_MAIN = "import sys; from fleet.tests.parallel.test_moe_parallel import _rank_main_cli; _rank_main_cli(*sys.argv[1:])"
+RANK_MAIN = (
+    "import sys; from fleet.tests.parallel.test_moe_parallel import _rank_main_cli; _rank_main_cli(*sys.argv[1:])"
+)
 
 
 def _dp2_config(tp: int) -> ParallelConfig:

@@ -20,14 +20,15 @@ from fleet.workers.memory import kv_bytes_per_block
 pytestmark = pytest.mark.slow
 
 TINY = ("--dtype", "float32", "--device", "cpu")
-LAYOUTS = [("--tp", "4", "--dp", "2"), ("--tp", "2", "--pp", "2", "--dp", "2")]
-KV_LAYOUT = {  # what shapes a worker's KV block in each layout
-    LAYOUTS[0]: dict(tensor_parallel_size=4),
-    LAYOUTS[1]: dict(tensor_parallel_size=2, pipeline_parallel_size=2),
-}
+# (model fixture, flags, what shapes a worker's KV block): 8 workers on this node each
+LAYOUTS = [
+    ("tiny_llama_dir", ("--tp", "4", "--dp", "2"), dict(tensor_parallel_size=4)),
+    ("tiny_llama_dir", ("--tp", "2", "--pp", "2", "--dp", "2"), dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
+    ("tiny_mixtral_dir", ("--tp", "4", "--dp", "2", "--enable-expert-parallel"), dict(tensor_parallel_size=4)),
+]
 
 
-def planned(model_dir: str, layout: tuple[str, ...]) -> dict:
+def planned(model_dir: str, layout: tuple[str, ...], kv_layout: dict) -> dict:
     """`fleet plan`'s memory for this layout, and the KV blocks each replica gets from it."""
     done = subprocess.run([sys.executable, "-P", "-m", "fleet.frontend.cli", "plan", model_dir, *layout, *TINY],
                           capture_output=True, text=True, timeout=120, check=True)
@@ -35,7 +36,7 @@ def planned(model_dir: str, layout: tuple[str, ...]) -> dict:
     workers = [p for p in plan["processes"] if p["kind"] == "worker"]
     memory = plan["memory"]
     assert all(w["kv_cache_bytes"] == memory["per_worker"]["kv_cache"] for w in workers)
-    config = EngineArgs(model=model_dir, dtype="float32", device="cpu", **KV_LAYOUT[layout]).create_config()
+    config = EngineArgs(model=model_dir, dtype="float32", device="cpu", **kv_layout).create_config()
     return {**memory, "blocks": memory["per_worker"]["kv_cache"] // kv_bytes_per_block(config)}
 
 
@@ -44,13 +45,14 @@ def tree_rss(server: Server) -> int:
     return sum(p.memory_info().rss for p in processes)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_eight_workers_with_default_memory_flags_serve(tiny_llama_dir, layout):
-    plan = planned(tiny_llama_dir, layout)
-    server = Server(tiny_llama_dir, *layout, *TINY)
+@pytest.mark.parametrize("model_fixture,layout,kv_layout", LAYOUTS, ids=[" ".join(flags) for _, flags, _ in LAYOUTS])
+def test_eight_workers_with_default_memory_flags_serve(request, model_fixture, layout, kv_layout):
+    model_dir = request.getfixturevalue(model_fixture)
+    plan = planned(model_dir, layout, kv_layout)
+    server = Server(model_dir, *layout, *TINY)
     try:
         assert len(server.children_named("fleet-worker-")) == 8
-        assert_greedy_over_http(server, tiny_llama_dir, count=8, seed=3)
+        assert_greedy_over_http(server, model_dir, count=8, seed=3)
         blocks = [int(b) for b in re.findall(r"KV cache of (\d+) blocks", "".join(server.log))]
         assert blocks == [plan["blocks"]] * 2, "each replica's workers got the planned budget"
         assert tree_rss(server) <= plan["footprint_bytes"]
