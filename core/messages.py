@@ -174,6 +174,8 @@ class ModelRunnerOutput(Struct, tag=True):
     """Aligned with request_ids; None where the request asked for none."""
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
     """Per request, the prompt positions computed this step."""
+    failed: dict[str, str] = {}
+    """Requests that could not sample this step, with why: they end with an error."""
 
 
 class WorkerUtilityResult(Struct, tag=True):

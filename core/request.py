@@ -87,7 +87,7 @@ class Request:
         self.max_tokens: int = max_tokens if max_tokens is not None else max_model_len
 
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None
         """The stop token id that ended the request (None for eos and length)."""
         self.num_computed_tokens: int = 0
         """Tokens whose KV is in the cache (computed or found in the prefix cache)."""
@@ -211,10 +211,13 @@ class Request:
             # The recompute produces the prompt positions again from the start.
             self._prompt_logprobs.clear()
 
-    def finish(self, status: RequestStatus) -> None:
-        """End the request from outside the stop check (abort, error)."""
+    def finish(self, status: RequestStatus, reason: str | None = None) -> None:
+        """End the request from outside the stop check (abort, error); `reason`
+        says why an error ended it (sent as the output's stop_reason)."""
         assert status.is_finished, status
         self.status = status
+        if reason is not None:
+            self.stop_reason = reason
 
     # ---- prompt logprobs ---------------------------------------------------------------
 

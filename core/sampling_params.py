@@ -6,7 +6,14 @@ offline use. `validate()` runs before a request reaches the engine.
 """
 from __future__ import annotations
 
+import math
+
 import msgspec
+
+MAX_LOGIT_BIAS = 100.0
+"""logit_bias values must lie in [-100, 100] (OpenAI's and vLLM's bound)."""
+INT64 = range(-(2**63), 2**63)
+"""Integers travel as msgpack int64: anything outside is a 400, not an encoding error."""
 
 
 class InvalidParameter(ValueError):
@@ -53,8 +60,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    def validate(self, max_logprobs: int = 20) -> SamplingParams:
-        """Raise InvalidParameter naming the first bad field; return self."""
+    def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> SamplingParams:
+        """Raise InvalidParameter naming the first bad field; return self.
+        With `vocab_size`, every token id must be one of the model's: an id
+        outside it would index past the logits in a worker."""
+        self._validate_integers()
         checks = [
             ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
             ("temperature", 0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
@@ -87,4 +97,27 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         for param, ok, message in checks:
             if not ok:
                 raise InvalidParameter(param, message)
+        self._validate_logit_bias(vocab_size)
+        if vocab_size is not None:
+            outside = [t for t in self.stop_token_ids if t >= vocab_size]
+            if outside:
+                message = f"stop_token_ids must be in [0, {vocab_size}), got {outside[0]}"
+                raise InvalidParameter("stop_token_ids", message)
         return self
+
+    def _validate_integers(self) -> None:
+        fields = {"n": self.n, "top_k": self.top_k, "seed": self.seed, "max_tokens": self.max_tokens,
+                  "min_tokens": self.min_tokens, "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
+        for param, value in [*fields.items(), *(("stop_token_ids", t) for t in self.stop_token_ids)]:
+            if value is not None and value not in INT64:
+                raise InvalidParameter(param, f"{param} must be a 64-bit integer, got {value}")
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not (0 <= token_id < (vocab_size if vocab_size is not None else 2**63)):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+                raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids in {bound}, got {token_id}")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise InvalidParameter(
+                    "logit_bias", f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
+                )

@@ -215,7 +215,12 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.advance(num_tokens)
-            output = self._apply_sample(request, runner_output, sample_index.get(request_id))
+            failure = runner_output.failed.get(request_id)
+            if failure is not None:
+                request.finish(RequestStatus.FINISHED_ERROR, reason=failure)
+                output = self._output(request, [])
+            else:
+                output = self._apply_sample(request, runner_output, sample_index.get(request_id))
             self.kv_cache_manager.cache_full_blocks(request)
             if request.is_finished:
                 self.running.remove(request)

@@ -84,7 +84,7 @@ class LLM:
     # ---- internals -------------------------------------------------------------------------
 
     def _submit(self, prompt: PromptType, params: SamplingParams) -> RequestState:
-        params.validate(self.config.model.max_logprobs)
+        params.validate(self.config.model.max_logprobs, self.config.model.hf_config.get("vocab_size"))
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
         state = RequestState(request_id, text, token_ids, params, self.tokenizer)

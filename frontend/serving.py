@@ -31,6 +31,7 @@ class Serving:
         self.model_name = model_name
         self.max_model_len = engine.config.model.max_model_len
         self.max_logprobs = engine.config.model.max_logprobs
+        self.vocab_size = engine.config.model.hf_config.get("vocab_size")
 
     # ---- validation ---------------------------------------------------------------------
 
@@ -42,7 +43,7 @@ class Serving:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
-            vocab = self.engine.config.model.hf_config.get("vocab_size", 0)
+            vocab = self.vocab_size or 0
             if any(not 0 <= t < vocab for t in token_ids):
                 raise InvalidParameter("prompt", f"token ids must be in [0, {vocab})")
             prompt = None
@@ -54,7 +55,8 @@ class Serving:
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, your prompt has {len(token_ids)} tokens.",
             )
-        params = request.sampling_params(self.max_model_len - len(token_ids), logprobs).validate(self.max_logprobs)
+        params = request.sampling_params(self.max_model_len - len(token_ids), logprobs)
+        params.validate(self.max_logprobs, self.vocab_size)
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidParameter(
                 "max_tokens",

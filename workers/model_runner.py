@@ -11,7 +11,7 @@ from fleet.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from fleet.kernels.attention import AttentionMetadata
 from fleet.parallel.comm import get_pp_group
 from fleet.workers.input_batch import RequestStates, StepBatch
-from fleet.workers.sampler import SamplingRow, sample, top_logprobs
+from fleet.workers.sampler import SamplingRow, sample_isolating_failures, top_logprobs
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,13 +71,17 @@ class ModelRunner:
         if not self.is_driver:
             return None
         rows = [self._sampling_row(batch.requests[i]) for i in sampling]
-        sampled, logprobs = sample(logits, rows)
+        sampled, logprobs, errors = sample_isolating_failures(logits, rows)
+        request_ids = [batch.requests[i].request_id for i in sampling]
+        sampled_rows = [i for i in range(len(rows)) if i not in errors]
+        row_logprobs = [logprobs[i] for i in sampled_rows]
         return ModelRunnerOutput(
             step_id=plan.step_id,
-            request_ids=[batch.requests[i].request_id for i in sampling],
-            sampled_token_ids=sampled,
-            logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+            request_ids=[request_ids[i] for i in sampled_rows],
+            sampled_token_ids=[sampled[i] for i in sampled_rows],
+            logprobs=row_logprobs if any(lp is not None for lp in row_logprobs) else None,
             prompt_logprobs=prompt_logprobs,
+            failed={request_ids[i]: error for i, error in errors.items()},
         )
 
     def _attention_metadata(self, batch: StepBatch) -> AttentionMetadata:

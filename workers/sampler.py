@@ -6,12 +6,15 @@ the model's raw distribution (before any processing), as OpenAI reports them.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from fleet.core.messages import TokenLogprobs
 from fleet.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +39,32 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
         for i, row in enumerate(rows)
     ]
     return sampled, logprobs
+
+
+def sample_isolating_failures(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[list[int | None], list[TokenLogprobs | None], dict[int, str]]:
+    """`sample`, but a row whose parameters make sampling raise fails alone:
+    the batch is sampled again row by row, and each failing row's error comes
+    back by index (its token is None) instead of ending the worker and, with
+    it, every other request. The front ends validate parameters first; this
+    is the guard behind them."""
+    try:
+        sampled, logprobs = sample(logits, rows)
+        return list(sampled), logprobs, {}
+    except Exception:  # noqa: BLE001 - which row failed, and why, is found below
+        logger.exception("sampling a batch of %d rows failed; sampling each row alone", len(rows))
+    tokens: list[int | None] = []
+    logprobs: list[TokenLogprobs | None] = []
+    errors: dict[int, str] = {}
+    for index, row in enumerate(rows):
+        try:
+            (token,), (row_logprobs,) = sample(logits[index : index + 1], [row])
+        except Exception as error:  # noqa: BLE001 - the request fails, the worker serves on
+            token, row_logprobs, errors[index] = None, None, f"sampling failed: {type(error).__name__}: {error}"
+        tokens.append(token)
+        logprobs.append(row_logprobs)
+    return tokens, logprobs, errors
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:

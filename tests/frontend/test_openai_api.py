@@ -134,6 +134,33 @@ def test_errors_have_openai_shape(server):
     assert_openai_error(server.post("/v1/chat/completions", json={"model": name, "messages": "nope"}), 400, "messages")
 
 
+SERVER_KILLERS = [  # each of these once ended the whole server (a worker's IndexError) or gave a 500
+    ('"logit_bias": {"100000": 5}', "logit_bias"),
+    ('"logit_bias": {"-100000": 5}', "logit_bias"),
+    ('"logit_bias": {"-1": 100}', "logit_bias"),
+    ('"logit_bias": {"5": NaN}', "logit_bias"),
+    ('"logit_bias": {"5": 1e308}', "logit_bias"),
+    ('"stop_token_ids": [1000000000], "min_tokens": 2', "stop_token_ids"),
+    (f'"stop_token_ids": [{2**70}]', "stop_token_ids"),
+    (f'"seed": {2**64}', "seed"),
+    (f'"top_k": {2**70}', "top_k"),
+]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_parameters_a_worker_would_trip_over_are_400s(server, route):
+    name = model_name(server)
+    prompt = '"prompt": "Hi"' if route == "/v1/completions" else '"messages": [{"role": "user", "content": "Hi"}]'
+    for fields, param in SERVER_KILLERS:
+        body = f'{{"model": "{name}", {prompt}, "max_tokens": 4, {fields}}}'
+        response = server.post(route, content=body.encode(), headers={"content-type": "application/json"})
+        assert_openai_error(response, 400, param)
+    assert all(p.is_running() for p in server.descendants), "no process of the server died"
+    ok = server.post(route, content=f'{{"model": "{name}", {prompt}, "max_tokens": 4}}'.encode(),
+                     headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text
+
+
 def test_prompt_longer_than_the_model_is_a_400(server):
     response = server.post("/v1/completions", json={"model": model_name(server), "prompt": [7] * 10_000, "max_tokens": 4})
     error = assert_openai_error(response, 400, "prompt")
