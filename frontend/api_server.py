@@ -60,7 +60,11 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
     async def authenticate(request: Request, call_next):
         if api_key and request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
             return error_response(401, "invalid or missing API key: send `Authorization: Bearer KEY`")
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception as error:  # a bug of ours: still OpenAI's shape, and the connection stays open
+            logger.exception("%s %s failed", request.method, request.url.path)
+            response = error_response(500, f"internal error: {type(error).__name__}: {error}")
         # Several API servers share the port: say which one answered (and whose /metrics these are).
         response.headers["fleet-api-server"] = str(engine.client_index)
         return response
@@ -68,6 +72,9 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError):
         first = error.errors()[0] if error.errors() else {}
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, InvalidParameter):  # raised by a model validator, which knows the field
+            return error_response(400, str(cause), cause.param)
         location = [str(part) for part in first.get("loc", []) if part != "body"]
         param = ".".join(location) or None
         message = first.get("msg", "invalid request body")
@@ -143,6 +150,10 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
         check_model(body.model)
         if serving.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
+        vocab = serving.vocab_size or 0
+        outside = [token for token in body.tokens if not 0 <= token < vocab]
+        if outside:
+            raise InvalidParameter("tokens", f"tokens must be in [0, {vocab}), got {outside[0]}")
         return {"prompt": serving.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")

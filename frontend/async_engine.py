@@ -40,6 +40,7 @@ class AsyncEngine:
         self.client_index = client_index
         self.balancer: LoadBalancer | None = None
         self._tracked: dict[str, tuple[_Tracked, int]] = {}  # engine request id -> (request, sequence index)
+        metrics.tracked_requests.set_function(lambda: len(self._tracked))
         self._lock = threading.Lock()
         self._ids = itertools.count()
 
@@ -62,15 +63,15 @@ class AsyncEngine:
         tracked = _Tracked(RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer), asyncio.Queue(), asyncio.get_running_loop())
         children = child_requests(request_id, prompt_token_ids, params, time.time(), self.client_index, priority)
         engine = self.balancer.pick(len(children))
-        with self._lock:
-            for index, child in enumerate(children):
-                self._tracked[child.request_id] = (tracked, index)
-        for child in children:
-            self.client.add_request(child, engine)
-        dp_rank = self.balancer.dp_ranks[engine]
-        self.metrics.prompt_tokens(dp_rank).inc(len(prompt_token_ids))
         state = tracked.state
-        try:
+        try:  # from here on, whatever fails (a send, the client leaving) leaves nothing tracked
+            with self._lock:
+                for index, child in enumerate(children):
+                    self._tracked[child.request_id] = (tracked, index)
+            for child in children:
+                self.client.add_request(child, engine)
+            dp_rank = self.balancer.dp_ranks[engine]
+            self.metrics.prompt_tokens(dp_rank).inc(len(prompt_token_ids))
             while not state.output.finished:
                 index, update = await tracked.queue.get()
                 # Outputs are folded in here, on the event loop, so a handler never

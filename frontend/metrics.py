@@ -30,6 +30,9 @@ class Metrics:
         self.time_to_first_token = Histogram("fleet:time_to_first_token_seconds", "Time to first token.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
         self.inter_token_latency = Histogram("fleet:inter_token_latency_seconds", "Time between tokens.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
         self.e2e_latency = Histogram("fleet:e2e_request_latency_seconds", "Request latency, arrival to finish.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.tracked_requests = Gauge(
+            "fleet:api_server_tracked_requests", "Engine requests this API server holds state for.", registry=r
+        )
         self.model_name = model_name
 
     def observe_scheduler(self, stats: SchedulerStats, engine: int) -> None:

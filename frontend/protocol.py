@@ -3,13 +3,14 @@ SamplingParams. Unknown request fields are accepted and logged."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from fleet.core.sampling_params import InvalidParameter, SamplingParams
+from fleet.core.sampling_params import INT64, InvalidParameter, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +25,45 @@ class OpenAIBase(BaseModel):
         return self
 
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+"""JSON's \\u escapes can spell half of a UTF-16 pair, which is no Unicode
+character: no tokenizer, encoder or detokenizer can take such a string."""
+
+
+class RequestBody(OpenAIBase):
+    """A whole request body. Before any field is read, every string in it must
+    be valid Unicode and every integer fit in 64 bits (what the wire and the
+    tokenizer carry): anything else is a 400 naming where it was."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unencodable(cls, data: Any) -> Any:
+        _check_encodable(data, [])
+        return data
+
+
+def _check_encodable(value: Any, path: list[str | int]) -> None:
+    where = ".".join(str(part) for part in path) or "body"
+    if isinstance(value, str):
+        if LONE_SURROGATE.search(value):
+            raise InvalidParameter(where, f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if value not in INT64:
+            raise InvalidParameter(where, f"{where} must be a 64-bit integer, got {value}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_encodable(key, path)
+            _check_encodable(item, [*path, key])
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_encodable(item, [*path, index])
+
+
 class StreamOptions(OpenAIBase):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIBase):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -123,14 +158,14 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-class TokenizeRequest(OpenAIBase):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(OpenAIBase):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

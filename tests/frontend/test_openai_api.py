@@ -141,7 +141,7 @@ SERVER_KILLERS = [  # each of these once ended the whole server (a worker's Inde
     ('"logit_bias": {"5": NaN}', "logit_bias"),
     ('"logit_bias": {"5": 1e308}', "logit_bias"),
     ('"stop_token_ids": [1000000000], "min_tokens": 2', "stop_token_ids"),
-    (f'"stop_token_ids": [{2**70}]', "stop_token_ids"),
+    (f'"stop_token_ids": [{2**70}]', "stop_token_ids.0"),
     (f'"seed": {2**64}', "seed"),
     (f'"top_k": {2**70}', "top_k"),
 ]
@@ -159,6 +159,39 @@ def test_parameters_a_worker_would_trip_over_are_400s(server, route):
     ok = server.post(route, content=f'{{"model": "{name}", {prompt}, "max_tokens": 4}}'.encode(),
                      headers={"content-type": "application/json"})
     assert ok.status_code == 200, ok.text
+
+
+UNENCODABLE = [  # each once gave a plain-text 500, closed the connection and left state behind
+    ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": "Hi", "max_tokens": 2, "stop": ["\\udfff"]}', "stop.0"),
+    ("/v1/completions", f'{{"prompt": "Hi", "max_tokens": 2, "priority": {2**70}}}', "priority"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+     "messages.0.content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "\\ud800", "content": "hi"}], "max_tokens": 2}', "messages.0.role"),
+    ("/detokenize", '{"tokens": [-1]}', "tokens"),
+    ("/detokenize", f'{{"tokens": [{2**70}]}}', "tokens.0"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+]
+
+
+def test_unencodable_input_is_a_400_that_leaves_nothing_behind(server):
+    api_server = server.children_named("fleet-api-0")[0]
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        def send_all() -> None:
+            for route, body, param in UNENCODABLE:
+                response = http.post(route, content=body.encode(), headers=headers)
+                assert_openai_error(response, 400, param)
+                assert response.headers.get("connection") != "close", "the connection stays open"
+
+        for _ in range(10):  # warm up allocations
+            send_all()
+        before = api_server.memory_info().rss
+        for _ in range(125):  # 1000 requests
+            send_all()
+        grown = api_server.memory_info().rss - before
+    assert server.metric("fleet:api_server_tracked_requests") == 0
+    assert grown < 16 * 2**20, f"the API server grew {grown / 2**20:.1f} MiB over 1000 bad requests"
 
 
 def test_prompt_longer_than_the_model_is_a_400(server):
