@@ -8,6 +8,7 @@ the engine is dead.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import socket
@@ -41,10 +42,24 @@ class APIError(Exception):
         self.param = param
 
 
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    503: "ServiceUnavailableError",
+}
+
+
+def _authorized(request: Request, api_key: str) -> bool:
+    """`Authorization: Bearer KEY`, the scheme in any case (RFC 7235), the key
+    compared in constant time so its length and prefix do not leak."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-        status, "InternalServerError"
-    )
+    kind = ERROR_TYPES.get(status, "InternalServerError")
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
 
@@ -58,7 +73,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
+        if api_key and request.url.path.startswith("/v1") and not _authorized(request, api_key):
             return error_response(401, "invalid or missing API key: send `Authorization: Bearer KEY`")
         try:
             response = await call_next(request)

@@ -124,6 +124,12 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
 
+    @model_validator(mode="after")
+    def _no_suffix(self):
+        if self.suffix:
+            raise InvalidParameter("suffix", "suffix (insertion between a prompt and a suffix) is not supported")
+        return self
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: texts or token-id lists."""
         p = self.prompt
@@ -139,8 +145,13 @@ class ChatMessage(OpenAIBase):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
+        """The message's text; a part of any other type (an image) is refused, not dropped."""
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            kinds = {part.get("type") for part in self.content} - {"text"}
+            if kinds:
+                raise InvalidParameter("messages", f"content parts of type {sorted(map(str, kinds))} are not "
+                                                   "supported: this model takes text only")
+            return "".join(part.get("text", "") for part in self.content)
         return self.content or ""
 
 

@@ -82,6 +82,10 @@ def test_api_key_and_two_api_servers(tiny_llama_dir, monkeypatch):
         assert missing.status_code == 401 and missing.json()["error"]["code"] == 401
         wrong = server.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
+        prefix = server.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekri"})
+        assert prefix.status_code == 401
+        scheme = server.post("/v1/completions", json=body, headers={"Authorization": "bearer sekrit"})
+        assert scheme.status_code == 200, "the scheme is case-insensitive"
         # The kernel spreads connections over both servers' shared socket; each answers.
         for _ in range(8):
             ok = server.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"})

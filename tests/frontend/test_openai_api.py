@@ -194,6 +194,23 @@ def test_unencodable_input_is_a_400_that_leaves_nothing_behind(server):
     assert grown < 16 * 2**20, f"the API server grew {grown / 2**20:.1f} MiB over 1000 bad requests"
 
 
+def test_fields_fleet_cannot_honour_are_400s_naming_them(server):
+    name = model_name(server)
+    response = server.post("/v1/completions", json={"model": name, "prompt": "Hi", "suffix": "end", "max_tokens": 2})
+    assert_openai_error(response, 400, "suffix")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
+    response = server.post("/v1/chat/completions", json={"model": name, "messages": messages, "max_tokens": 2})
+    error = assert_openai_error(response, 400, "messages")
+    assert "image_url" in error["message"]
+
+
+def test_wrong_method_is_a_typed_405(server):
+    response = httpx.get(server.url + "/v1/completions", timeout=30)
+    assert response.status_code == 405
+    assert response.json()["error"]["type"] == "MethodNotAllowedError"
+
+
 def test_prompt_longer_than_the_model_is_a_400(server):
     response = server.post("/v1/completions", json={"model": model_name(server), "prompt": [7] * 10_000, "max_tokens": 4})
     error = assert_openai_error(response, 400, "prompt")
