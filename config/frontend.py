@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from fleet.config.fields import HumanInt
+
 
 @dataclass(frozen=True)
 class FrontendConfig:
@@ -17,6 +19,8 @@ class FrontendConfig:
     """Key that clients must send as `Authorization: Bearer KEY`. Default: $FLEET_API_KEY, else none."""
     api_server_count: int = 1
     """Number of API server processes; all of them reach every engine of this node."""
+    max_request_body_bytes: HumanInt = 8 * 2**20
+    """Largest HTTP request body (e.g. 8M); a larger one is answered 413 before it is read."""
     shutdown_timeout: float = 10.0
     """Seconds that SIGINT/SIGTERM waits for processes to end before they are killed."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"

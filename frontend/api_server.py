@@ -2,13 +2,13 @@
 
 Errors always have OpenAI's shape `{"error": {"message", "type", "param",
 "code"}}`: 400 for bad parameters and malformed JSON, 401 for a wrong key,
-404 for an unknown model, 500 when a request failed in the engine, 503 when
-the engine is dead.
+404 for an unknown model, 413 for a body over --max-request-body-bytes, 500
+when a request failed in the engine (or in our code), 503 when the engine is
+dead. Tokenising and chat templating run on threads, off the event loop.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import socket
@@ -18,7 +18,7 @@ from http import HTTPStatus
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import fleet
@@ -28,6 +28,7 @@ from fleet.core.messages import Ready, StartupFailed
 from fleet.core.sampling_params import InvalidParameter
 from fleet.frontend.async_engine import AsyncEngine
 from fleet.frontend.engine_client import ClientAddresses, EngineDeadError
+from fleet.frontend.gatekeeper import BodyTooLarge, Gatekeeper, error_response, too_large
 from fleet.frontend.metrics import Metrics
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, now
 from fleet.frontend.serving import RequestFailed, Serving
@@ -42,28 +43,6 @@ class APIError(Exception):
         self.param = param
 
 
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    503: "ServiceUnavailableError",
-}
-
-
-def _authorized(request: Request, api_key: str) -> bool:
-    """`Authorization: Bearer KEY`, the scheme in any case (RFC 7235), the key
-    compared in constant time so its length and prefix do not leak."""
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = ERROR_TYPES.get(status, "InternalServerError")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
 def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
     app = FastAPI(title="fleet", version=fleet.__version__)
     served_names = config.model.served_model_name or [config.model.model]
@@ -71,18 +50,16 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
     metrics = engine.metrics
     api_key = config.frontend.api_key
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1") and not _authorized(request, api_key):
-            return error_response(401, "invalid or missing API key: send `Authorization: Bearer KEY`")
-        try:
-            response = await call_next(request)
-        except Exception as error:  # a bug of ours: still OpenAI's shape, and the connection stays open
-            logger.exception("%s %s failed", request.method, request.url.path)
-            response = error_response(500, f"internal error: {type(error).__name__}: {error}")
-        # Several API servers share the port: say which one answered (and whose /metrics these are).
-        response.headers["fleet-api-server"] = str(engine.client_index)
-        return response
+    app.add_middleware(Gatekeeper, api_key=api_key, server_index=engine.client_index,
+                       max_body_bytes=config.frontend.max_request_body_bytes)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception):  # the Gatekeeper logs it
+        return error_response(500, f"internal error: {type(error).__name__}: {error}")
+
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(_: Request, error: BodyTooLarge):
+        return too_large(config.frontend.max_request_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError):
@@ -152,10 +129,10 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
         if serving.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         if body.messages is not None:
-            text = serving.chat_prompt(ChatCompletionRequest(messages=body.messages))
-            tokens = serving.tokenizer.encode(text, add_special_tokens=False)
+            text = await off_loop(serving.chat_prompt, ChatCompletionRequest(messages=body.messages))
+            tokens = await off_loop(serving.tokenizer.encode, text, add_special_tokens=False)
         elif body.prompt is not None:
-            tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await off_loop(serving.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise APIError(400, "give `prompt` or `messages`", "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": config.model.max_model_len}
@@ -169,7 +146,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
         outside = [token for token in body.tokens if not 0 <= token < vocab]
         if outside:
             raise InvalidParameter("tokens", f"tokens must be in [0, {vocab}), got {outside[0]}")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return {"prompt": await off_loop(serving.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -177,7 +154,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
         prompts = body.prompts()
         if not prompts:
             raise InvalidParameter("prompt", "the prompt is empty")
-        prepared = [serving.prepare(p, body, body.logprobs) for p in prompts]
+        prepared = await off_loop(lambda: [serving.prepare(p, body, body.logprobs) for p in prompts])
         if body.stream:
             return _stream(serving.completion_stream(body, prepared))
         return await _unless_disconnected(serving.completion(body, prepared), request)
@@ -188,12 +165,18 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        prepared = serving.prepare(serving.chat_prompt(body), body, logprobs)
+        prepared = await off_loop(lambda: serving.prepare(serving.chat_prompt(body), body, logprobs))
         if body.stream:
             return _stream(serving.chat_stream(body, prepared))
         return await _unless_disconnected(serving.chat(body, prepared), request)
 
     return app
+
+
+async def off_loop(function, *args, **kwargs):
+    """Tokenising or templating a large prompt takes seconds: a thread does it,
+    so that the event loop keeps answering (/health, other requests' tokens)."""
+    return await asyncio.to_thread(function, *args, **kwargs)
 
 
 def _stream(events) -> StreamingResponse:

@@ -3,6 +3,8 @@ the official openai client, outputs compared with fleet.LLM and transformers."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import openai
@@ -209,6 +211,51 @@ def test_wrong_method_is_a_typed_405(server):
     response = httpx.get(server.url + "/v1/completions", timeout=30)
     assert response.status_code == 405
     assert response.json()["error"]["type"] == "MethodNotAllowedError"
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(server):
+    body = b'{"prompt": "' + b"a" * (9 * 2**20) + b'", "max_tokens": 2}'  # the default limit is 8 MiB
+    response = server.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    error = assert_openai_error(response, 413)
+    assert "--max-request-body-bytes" in error["message"]
+    assert server.get("/health").status_code == 200
+
+
+def test_health_answers_while_a_large_prompt_is_tokenised(server):
+    """Tokenising 6 MB takes seconds; it runs beside the event loop, not on it."""
+    tokenized: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: tokenized.append(
+        server.post("/tokenize", json={"prompt": "hello world " * 500_000})))
+    worker.start()
+    health_during = []
+    while worker.is_alive():
+        response = server.get("/health")
+        if worker.is_alive():
+            health_during.append(response.status_code)
+        time.sleep(0.05)
+    assert tokenized[0].status_code == 200 and tokenized[0].json()["count"] > 500_000
+    assert health_during and set(health_during) == {200}, "/health answered while the prompt was tokenised"
+
+
+def test_clients_that_give_up_on_non_streaming_requests_are_aborted(server):
+    """Four clients time out after 1 s on requests of 2000 tokens each: the engine
+    drops them (it would otherwise generate 8000 tokens nobody reads)."""
+    generated_before = server.metric("fleet:generation_tokens_total")
+    body = {"model": model_name(server), "prompt": "hi", "max_tokens": 2000, "ignore_eos": True}
+
+    def give_up() -> None:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+
+    clients = [threading.Thread(target=give_up) for _ in range(4)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join()
+    idle = lambda: server.metric("fleet:num_requests_running") + server.metric("fleet:num_requests_waiting") == 0  # noqa: E731
+    assert server.wait_until(idle, timeout=10), "the engine still holds requests nobody waits for"
+    generated = server.metric("fleet:generation_tokens_total") - generated_before
+    assert generated < 4 * 2000 / 2, f"{generated} tokens generated for clients that had left"
 
 
 def test_prompt_longer_than_the_model_is_a_400(server):
