@@ -10,6 +10,10 @@ import math
 
 import msgspec
 
+MAX_N = 128
+"""Most completions one request may ask for: each is an engine request, and on
+a CPU that computes tens of tokens a second more would hold the engine for
+hours (vLLM allows 16384 on GPUs)."""
 MAX_LOGIT_BIAS = 100.0
 """logit_bias values must lie in [-100, 100] (OpenAI's and vLLM's bound)."""
 INT64 = range(-(2**63), 2**63)
@@ -66,7 +70,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         outside it would index past the logits in a worker."""
         self._validate_integers()
         checks = [
-            ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("n", 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}"),
             ("temperature", 0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}"),
             ("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             ("top_k", self.top_k >= -1, f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}"),

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fleet.core.sampling_params import InvalidParameter, SamplingParams
+from fleet.core.sampling_params import MAX_N, InvalidParameter, SamplingParams
 
 VOCAB = 512
 
@@ -29,6 +29,8 @@ VOCAB = 512
         (dict(top_k=2**70), "top_k"),
         (dict(max_tokens=2**70), "max_tokens"),
         (dict(temperature=math.nan), "temperature"),
+        (dict(n=MAX_N + 1), "n"),
+        (dict(n=0), "n"),
     ],
 )
 def test_refused_with_the_field_named(fields, param):
@@ -43,6 +45,7 @@ def test_refused_with_the_field_named(fields, param):
         dict(logit_bias={0: -100.0, VOCAB - 1: 100.0}),
         dict(stop_token_ids=[0, VOCAB - 1], min_tokens=2),
         dict(seed=2**63 - 1, top_k=VOCAB * 4),
+        dict(n=MAX_N),
     ],
 )
 def test_values_at_the_bounds_pass(fields):

@@ -146,6 +146,7 @@ SERVER_KILLERS = [  # each of these once ended the whole server (a worker's Inde
     (f'"stop_token_ids": [{2**70}]', "stop_token_ids.0"),
     (f'"seed": {2**64}', "seed"),
     (f'"top_k": {2**70}', "top_k"),
+    ('"n": 20000', "n"),  # once queued 20000 engine requests
 ]
 
 
