@@ -12,6 +12,9 @@ from fleet.frontend.async_engine import AsyncEngine
 from fleet.frontend.output_processor import CompletionOutput, Logprob, RequestOutput, RequestState
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
 
+COMPLETION_MAX_TOKENS = 16
+"""max_tokens of a completion request that sets none."""
+
 
 class RequestFailed(Exception):
     """The engine ended a request with an error (e.g. a worker died): HTTP 500."""
@@ -55,7 +58,12 @@ class Serving:
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, your prompt has {len(token_ids)} tokens.",
             )
-        params = request.sampling_params(self.max_model_len - len(token_ids), logprobs)
+        rest_of_context = self.max_model_len - len(token_ids)
+        # Completions without max_tokens stop at 16 tokens (OpenAI and vLLM); chat at the end of the context.
+        default_max_tokens = rest_of_context
+        if isinstance(request, CompletionRequest):
+            default_max_tokens = min(COMPLETION_MAX_TOKENS, rest_of_context)
+        params = request.sampling_params(default_max_tokens, logprobs)
         params.validate(self.max_logprobs, self.vocab_size)
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidParameter(

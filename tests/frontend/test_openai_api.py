@@ -259,6 +259,14 @@ def test_clients_that_give_up_on_non_streaming_requests_are_aborted(server):
     assert generated < 4 * 2000 / 2, f"{generated} tokens generated for clients that had left"
 
 
+def test_a_completion_without_max_tokens_stops_at_16(server):
+    body = {"model": model_name(server), "prompt": "Hi", "ignore_eos": True}
+    response = server.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 16
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_prompt_longer_than_the_model_is_a_400(server):
     response = server.post("/v1/completions", json={"model": model_name(server), "prompt": [7] * 10_000, "max_tokens": 4})
     error = assert_openai_error(response, 400, "prompt")
