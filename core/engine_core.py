@@ -44,6 +44,9 @@ from fleet.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+IDLE_LIVENESS_CHECK_S = 0.5
+"""How often an engine with nothing to do checks that its workers live."""
+
 
 class EngineCore:
     """Owns the scheduler and the executor of one data-parallel replica."""
@@ -225,7 +228,7 @@ class EngineCoreProcess:
         """The coordinator's decision for our vote; requests that arrive
         meanwhile are queued. None once Shutdown arrived."""
         while True:
-            message = self.inputs.get()
+            message = self._next_input()
             if isinstance(message, StepDecision):
                 assert message.step == self.next_step, (message, self.next_step)
                 return message
@@ -247,7 +250,7 @@ class EngineCoreProcess:
     def _drain_inputs(self, block: bool) -> bool:
         """Handle every queued input; False once Shutdown arrived."""
         try:
-            message = self.inputs.get(block=block)
+            message = self._next_input() if block else self.inputs.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -257,6 +260,15 @@ class EngineCoreProcess:
                 message = self.inputs.get_nowait()
             except queue.Empty:
                 return True
+
+    def _next_input(self) -> Any:
+        """Wait for an input, checking meanwhile that every worker lives: an idle
+        engine would otherwise learn of a dead worker only at the next request."""
+        while True:
+            try:
+                return self.inputs.get(timeout=IDLE_LIVENESS_CHECK_S)
+            except queue.Empty:
+                self.engine.executor.check_alive()  # raises WorkerDied: the engine dies and says why
 
     def _handle(self, message: Any) -> bool:
         """Act on one input; False for Shutdown."""

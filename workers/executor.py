@@ -53,6 +53,9 @@ class Executor:
     def shutdown(self) -> None:
         raise NotImplementedError
 
+    def check_alive(self) -> None:
+        """Raise WorkerDied naming any worker that died (in-process workers cannot)."""
+
 
 class WorkerStartupInfo(msgspec.Struct):
     """What a worker process (or Ray worker actor) receives on start-up."""
@@ -196,7 +199,7 @@ class MultiprocExecutor(Executor):
                 if self.plans.recv()[:1] == b"\x01":
                     seen += 1
             else:
-                self._check_alive()
+                self.check_alive()
             if time.monotonic() > deadline:
                 raise WorkerDied(f"only {seen} of {count} workers subscribed to the step plan")
 
@@ -224,7 +227,7 @@ class MultiprocExecutor(Executor):
                 if message is not None:
                     return message
             else:
-                self._check_alive()
+                self.check_alive()
 
     def _root_cause(self, reason: str) -> str:
         """A worker that fails in a collective usually lost a peer: name the
@@ -237,7 +240,7 @@ class MultiprocExecutor(Executor):
             time.sleep(0.05)
         return reason
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         dead = [w for w in self.workers if not w.alive()]
         if dead:
             raise WorkerDied("; ".join(w.describe_exit() for w in dead))

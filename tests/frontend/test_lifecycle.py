@@ -57,6 +57,19 @@ def test_engine_sigkill_fails_health_and_the_launcher(tiny_llama_dir):
     assert any("fleet-engine-dp0" in line and "died" in line for line in server.log)
 
 
+@pytest.mark.parametrize("extra", [(), ("--tp", "2")])
+def test_a_worker_that_dies_while_the_server_is_idle_ends_the_job(tiny_llama_dir, extra):
+    """No request is in flight, so no step waits on the worker: the engine
+    watches it anyway (every 0.5 s), and the job ends naming it."""
+    server = launch(str(tiny_llama_dir), *extra)
+    worker = server.children_named("fleet-worker-dp0-pp0-tp0")[0]
+    time.sleep(1.0)  # idle
+    os.kill(worker.pid, signal.SIGKILL)
+    assert server.proc.wait(timeout=15) != 0  # before the fix an idle job never noticed
+    server.assert_nothing_left()
+    assert any("fleet-worker-dp0-pp0-tp0" in line and "died" in line for line in server.log), server.log[-10:]
+
+
 def test_requests_get_503_while_the_engine_is_dead(tiny_llama_dir):
     server = launch(str(tiny_llama_dir))
     (engine,) = server.children_named("fleet-engine-dp0")
