@@ -65,7 +65,10 @@ def test_a_worker_that_dies_while_the_server_is_idle_ends_the_job(tiny_llama_dir
     worker = server.children_named("fleet-worker-dp0-pp0-tp0")[0]
     time.sleep(1.0)  # idle
     os.kill(worker.pid, signal.SIGKILL)
-    assert server.proc.wait(timeout=15) != 0  # before the fix an idle job never noticed
+    try:
+        assert server.proc.wait(timeout=15) != 0  # before the fix an idle job never noticed
+    finally:
+        server.kill()  # a job that did not end would be left behind
     server.assert_nothing_left()
     assert any("fleet-worker-dp0-pp0-tp0" in line and "died" in line for line in server.log), server.log[-10:]
 
