@@ -110,17 +110,13 @@ def dequantized_gguf(path: str, dtype: torch.dtype) -> str:
     under HF names, made on first use and kept in fleet's cache (keyed by the
     file's path, size and mtime). Parsing a GGUF file and dequantising it takes
     seconds (the default model: about 6 s); reading the kept file is a mmap."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    from fleet.config.derived_cache import derived_path
+    from fleet.config.derived_cache import derived_path, write_atomically
 
     cached = derived_path(path, f"gguf-weights-{str(dtype).removeprefix('torch.')}") + ".safetensors"
-    if not os.path.isfile(cached):
-        weights = {name: weight.to(dtype).contiguous() for name, weight in _gguf_weights(path)}
-        os.makedirs(os.path.dirname(cached), exist_ok=True)
-        temporary = f"{cached}.{os.getpid()}.tmp"  # workers of one launch may derive it at once: last rename wins
-        save_file(weights, temporary)
-        os.replace(temporary, cached)
+    if not os.path.isfile(cached):  # workers of one launch may derive it at once: last rename wins
+        write_atomically(cached, save({name: weight.to(dtype).contiguous() for name, weight in _gguf_weights(path)}))
     return cached
 
 
