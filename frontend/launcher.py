@@ -1,6 +1,7 @@
 """`fleet launch`: start this node's processes, run the start-up handshake
-under one deadline, then supervise. Any child's death tears the node down
-and exits non-zero; SIGINT/SIGTERM shut down within --shutdown-timeout."""
+under one deadline, then supervise. Any child's death, or (multi-node) the
+loss of another node, tears the node down and exits non-zero; SIGINT/SIGTERM
+shut down within --shutdown-timeout."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,13 +28,12 @@ from fleet.frontend.plan import (
 from fleet.parallel.dims import node_engine_ranks, replicas_served_from_elsewhere, runs_dp_coordinator
 
 if TYPE_CHECKING:
-    from fleet.parallel.job_store import JobStore
+    from fleet.parallel.job_store import Heartbeat, JobStore
 
 
 logger = logging.getLogger("fleet.launch")
 
 SUPERVISE_INTERVAL_S = 0.2
-HEARTBEAT_INTERVAL_S = 1.0
 
 
 class Launcher:
@@ -44,6 +44,7 @@ class Launcher:
         self.url = "(headless: no HTTP)"
         self.job: JobStore | None = None
         """The multi-node job store (--nnodes > 1)."""
+        self.heartbeat: Heartbeat | None = None
 
     def run(self) -> int:
         """Start, supervise, stop; the exit code of `fleet launch`."""
@@ -54,6 +55,8 @@ class Launcher:
             self._start()
         except (ipc.ChildFailed, ipc.StartupTimeout, ipc.NodeMissing, OSError) as error:
             logger.error("start-up failed: %s", error)
+            if self.job is not None:
+                self.job.report_failure(f"start-up failed: {error}")
             self._stop_all(timeout=2.0)
             return 1
         elapsed = time.monotonic() - start
@@ -78,7 +81,7 @@ class Launcher:
             ctx.destroy(linger=0)
 
     def _join_job(self) -> JobStore:
-        from fleet.parallel.job_store import JobStore  # imports torch: multi-node launches only
+        from fleet.parallel.job_store import Heartbeat, JobStore  # imports torch: multi-node launches only
 
         parallel = self.config.parallel
         role = "serves HTTP" if not parallel.headless else "headless"
@@ -86,6 +89,7 @@ class Launcher:
                     parallel.master_addr, parallel.master_port)
         job = JobStore.for_launcher(parallel)
         job.join()
+        self.heartbeat = Heartbeat(parallel)
         return job
 
     def _join_ray(self) -> None:
@@ -188,25 +192,24 @@ class Launcher:
             self.children.extend(spawn_workers(self.config, dp_rank, addresses))
 
     def _supervise(self) -> int:
-        next_beat = 0.0
         while self.stop_requested is None:
             dead = [child for child in self.children if not child.alive()]
             if dead:
-                logger.error("%s: shutting the node down", "; ".join(child.describe_exit() for child in dead))
-                self._stop_all(timeout=2.0, engines_first=True)
-                return 1
-            if self.job is not None and time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
-                try:
-                    self.job.beat()
-                except ipc.NodeMissing as error:
-                    logger.error("%s: shutting the node down", error)
-                    self._stop_all(timeout=2.0, engines_first=True)
-                    return 1
+                failure = "; ".join(child.describe_exit() for child in dead)
+                if self.job is not None:  # node 0 need not wait for this node's silence
+                    self.job.report_failure(failure)
+                return self._stop_after(failure)
+            if self.heartbeat is not None and self.heartbeat.lost is not None:
+                return self._stop_after(str(self.heartbeat.lost))
             time.sleep(SUPERVISE_INTERVAL_S)
         logger.info("%s: shutting down", self.stop_requested)
         self._stop_all(timeout=self.config.frontend.shutdown_timeout)
         return 0
+
+    def _stop_after(self, failure: str) -> int:
+        logger.error("%s: shutting the node down", failure)
+        self._stop_all(timeout=2.0, engines_first=True)
+        return 1
 
     def _request_stop(self, signum: int, _frame) -> None:
         self.stop_requested = signal.Signals(signum).name

@@ -10,6 +10,7 @@ too, each under its own prefix.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import timedelta
 
@@ -21,8 +22,11 @@ from fleet.core.ipc import NodeMissing
 
 logger = logging.getLogger(__name__)
 
-NODE_SILENCE_LIMIT_S = 10.0
-"""A node whose heartbeat stood still this long is taken for dead."""
+HEARTBEAT_INTERVAL_S = 0.5
+NODE_SILENCE_LIMIT_S = 3.0
+"""A node whose heartbeat stood still this long is taken for dead: a machine
+that vanishes is noticed within 3.5 s. A node that fails on its own says so
+(report_failure) and is noticed within one beat."""
 
 
 def connect_store(parallel: ParallelConfig, is_master: bool = False) -> dist.TCPStore:
@@ -94,12 +98,47 @@ class JobStore:
             where = f"{self.parallel.master_addr}:{self.parallel.master_port}"
             raise NodeMissing(f"lost node 0's job store at {where}: {error}") from error
 
+    def report_failure(self, reason: str) -> None:
+        """Tell node 0 that this node is going down, so that it need not wait for the silence."""
+        try:
+            self.store.set(f"failed/{self.node_rank}", reason[:500])
+        except (RuntimeError, dist.DistStoreError):
+            pass  # node 0 is gone already
+
     def _check_beats(self) -> None:
         now = time.monotonic()
         for rank in range(1, self.parallel.nnodes):
+            if self.store.check([f"failed/{rank}"]):
+                raise NodeMissing(f"node {rank} failed: {self.store.get(f'failed/{rank}').decode()}")
             count = self.store.add(f"beat/{rank}", 0)
             last_count, since = self._beats_seen.get(rank, (-1, now))
             if count != last_count:
                 self._beats_seen[rank] = (count, now)
             elif now - since > NODE_SILENCE_LIMIT_S:
                 raise NodeMissing(f"node {rank} stopped answering (no heartbeat for {NODE_SILENCE_LIMIT_S:.0f} s)")
+
+
+class Heartbeat:
+    """Beats for this node from a thread of its own, from the moment the node
+    joined, so that a launcher busy starting or supervising never falls
+    silent; on node 0 it also watches the others. The first loss is kept in
+    `lost` for the launcher to act on."""
+
+    def __init__(self, parallel: ParallelConfig):
+        self.job = JobStore.client(parallel)  # its own connection: the launcher's is used from its own thread
+        self.lost: NodeMissing | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                self.job.beat()
+            except NodeMissing as error:
+                self.lost = error
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5.0)

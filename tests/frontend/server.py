@@ -96,10 +96,10 @@ class Server:
         assert not alive, f"left behind: {[p.pid for p in alive]}"
 
     def get(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=60, **kwargs)
+        return httpx.get(self.url + path, **{"timeout": 60, **kwargs})
 
     def post(self, path: str, **kwargs) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=60, **kwargs)
+        return httpx.post(self.url + path, **{"timeout": 60, **kwargs})
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus metric over its label sets."""
@@ -116,3 +116,11 @@ class Server:
                 return True
             time.sleep(0.1)
         return predicate()
+
+
+def health_fails(server: Server) -> bool:
+    """/health answers anything but 200, or nothing at all."""
+    try:
+        return server.get("/health", timeout=2).status_code != 200
+    except httpx.HTTPError:
+        return True

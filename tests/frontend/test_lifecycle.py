@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from fleet.tests.frontend.server import Server
+from fleet.tests.frontend.server import Server, health_fails
 
 pytestmark = pytest.mark.slow
 
@@ -44,33 +44,37 @@ def test_engine_sigkill_fails_health_and_the_launcher(tiny_llama_dir):
     server = launch(str(tiny_llama_dir))
     (engine,) = server.children_named("fleet-engine-dp0")
     os.kill(engine.pid, signal.SIGKILL)
-
-    def health_fails() -> bool:
-        try:
-            return server.get("/health").status_code != 200
-        except httpx.HTTPError:
-            return True
-
-    assert server.wait_until(health_fails, timeout=5)
+    assert server.wait_until(lambda: health_fails(server), timeout=5)
     assert server.proc.wait(timeout=15) != 0
     server.assert_nothing_left()
     assert any("fleet-engine-dp0" in line and "died" in line for line in server.log)
 
 
-@pytest.mark.parametrize("extra", [(), ("--tp", "2")])
-def test_a_worker_that_dies_while_the_server_is_idle_ends_the_job(tiny_llama_dir, extra):
-    """No request is in flight, so no step waits on the worker: the engine
-    watches it anyway (every 0.5 s), and the job ends naming it."""
+IDLE_DEATHS = {
+    "worker": ((), "fleet-worker-dp0-pp0-tp0"),
+    "worker of tp 2": (("--tp", "2"), "fleet-worker-dp0-pp0-tp1"),
+    "api server": (("--api-server-count", "2"), "fleet-api-1"),
+    "dp coordinator": (("--dp", "2"), "fleet-dp-coordinator"),
+    "engine of dp 2": (("--dp", "2"), "fleet-engine-dp1"),
+}
+
+
+@pytest.mark.parametrize("extra, victim", IDLE_DEATHS.values(), ids=IDLE_DEATHS.keys())
+def test_a_process_that_dies_while_the_server_is_idle_ends_the_job(tiny_llama_dir, extra, victim):
+    """No request is in flight, so no step waits on anyone: the launcher
+    watches its children, the engines their workers, all the time; /health
+    stops answering 200 within 5 s and the job ends naming the dead process."""
     server = launch(str(tiny_llama_dir), *extra)
-    worker = server.children_named("fleet-worker-dp0-pp0-tp0")[0]
+    (process,) = server.children_named(victim)
     time.sleep(1.0)  # idle
-    os.kill(worker.pid, signal.SIGKILL)
+    os.kill(process.pid, signal.SIGKILL)
     try:
-        assert server.proc.wait(timeout=15) != 0  # before the fix an idle job never noticed
+        assert server.wait_until(lambda: health_fails(server), timeout=5)
+        assert server.proc.wait(timeout=15) != 0  # before the fix an idle job never noticed a dead worker
     finally:
         server.kill()  # a job that did not end would be left behind
     server.assert_nothing_left()
-    assert any("fleet-worker-dp0-pp0-tp0" in line and "died" in line for line in server.log), server.log[-10:]
+    assert any(victim in line and "died" in line for line in server.log), server.log[-10:]
 
 
 def test_requests_get_503_while_the_engine_is_dead(tiny_llama_dir):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from fleet.tests.frontend.server import Server
+from fleet.tests.frontend.server import Server, health_fails
 from fleet.tests.parallel.dp_helpers import assert_greedy_over_http, free_port_pair, stop_servers
 
 pytestmark = pytest.mark.slow
@@ -142,6 +142,46 @@ def test_sigkill_of_node_1_fails_requests_and_ends_both_nodes(two_nodes, tiny_ll
     assert "error" in response.json()
     assert node0.proc.wait(timeout=60) != 0
     node1.proc.wait(timeout=10)
+    node0.assert_nothing_left()
+    node1.assert_nothing_left()
+
+
+def test_a_remote_worker_that_dies_while_idle_ends_both_nodes(two_nodes, tiny_llama_dir):
+    """The replica's engine runs on node 0, two of its workers on node 1:
+    node 1 notices its worker, and tells node 0 through the job store."""
+    args = job_args(tiny_llama_dir, two_nodes, "--tp", "4")
+    node0, node1 = start_node(two_nodes, 0, args), start_node(two_nodes, 1, args)
+    try:
+        node0.wait_ready(180)
+        node1.wait_ready(180)
+        (worker,) = node1.children_named("fleet-worker-dp0-pp0-tp2")
+        time.sleep(1.0)  # idle: no step waits on the worker
+        os.kill(worker.pid, signal.SIGKILL)
+        assert node0.wait_until(lambda: health_fails(node0), timeout=5)
+        assert node0.proc.wait(timeout=30) != 0 and node1.proc.wait(timeout=30) != 0
+    finally:
+        node0.kill()
+        node1.kill()
+    assert "node 1 failed: fleet-worker-dp0-pp0-tp2" in "".join(node0.log), "".join(node0.log)[-2000:]
+    node0.assert_nothing_left()
+    node1.assert_nothing_left()
+
+
+def test_an_idle_node_1_that_vanishes_ends_node_0(two_nodes, tiny_llama_dir):
+    """SIGKILL of node 1's whole tree, as a machine that goes down: nothing
+    is said, node 0 hears its heartbeat stop."""
+    args = job_args(tiny_llama_dir, two_nodes, "--dp", "2", "--tp", "2")
+    node0, node1 = start_node(two_nodes, 0, args), start_node(two_nodes, 1, args)
+    try:
+        node0.wait_ready(180)
+        node1.wait_ready(180)
+        time.sleep(1.0)
+        node1.kill()
+        assert node0.wait_until(lambda: health_fails(node0), timeout=5)
+        assert node0.proc.wait(timeout=30) != 0
+    finally:
+        node0.kill()
+    assert "node 1 stopped answering" in "".join(node0.log), "".join(node0.log)[-2000:]
     node0.assert_nothing_left()
     node1.assert_nothing_left()
 

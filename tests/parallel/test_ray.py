@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from fleet.tests.frontend.server import Server
+from fleet.tests.frontend.server import Server, health_fails
 from fleet.tests.parallel.dp_helpers import assert_greedy_over_http, free_port_pair
 
 ray = pytest.importorskip("ray", reason="the Ray tests need `pip install fleet[ray]` (make install-test does it)")
@@ -93,6 +94,34 @@ def test_ray_data_parallel_backend_places_each_engine_with_its_workers(two_node_
         assert len(groups) == 2 and len(groups[0] | groups[1]) == 2, groups
     finally:
         server.close()
+    assert_nothing_left_in_ray()
+
+
+RAY_IDLE_DEATHS = {
+    "worker actor": (("--tp", "2", "--distributed-executor-backend", "ray"), "WorkerActor"),
+    "engine actor": (("--dp", "2", "--data-parallel-backend", "ray", "--distributed-executor-backend", "ray"),
+                     "EngineActor"),
+}
+
+
+@pytest.mark.parametrize("layout, actor_class", RAY_IDLE_DEATHS.values(), ids=RAY_IDLE_DEATHS.keys())
+def test_an_actor_that_dies_while_idle_ends_the_job(two_node_cluster, tiny_llama_dir, layout, actor_class):
+    """SIGKILL of an actor's process with no request in flight: its engine
+    (for a worker) or the launcher (for an engine) hears it from Ray."""
+    from ray.util.state import list_actors
+
+    extra = ("--data-parallel-rpc-port", str(free_port_pair())) if "--dp" in layout else ()
+    server = launch(two_node_cluster, tiny_llama_dir, *layout, *extra)
+    try:
+        actors = list_actors(filters=[("class_name", "=", actor_class), ("state", "=", "ALIVE")])
+        time.sleep(1.0)  # idle
+        os.kill(actors[0].pid, signal.SIGKILL)
+        assert server.wait_until(lambda: health_fails(server), timeout=5)
+        assert server.proc.wait(timeout=30) != 0
+    finally:
+        server.kill()
+    assert any("(Ray actor) died" in line for line in server.log), "".join(server.log[-20:])
+    server.assert_nothing_left()
     assert_nothing_left_in_ray()
 
 
