@@ -26,14 +26,17 @@ from fleet.config.fleet import FleetConfig
 from fleet.core import ipc
 from fleet.core.messages import Ready, StartupFailed
 from fleet.core.sampling_params import InvalidParameter
-from fleet.frontend.async_engine import AsyncEngine
+from fleet.frontend.async_engine import AsyncEngine, ServerStopping
 from fleet.frontend.engine_client import ClientAddresses, EngineDeadError
-from fleet.frontend.gatekeeper import BodyTooLarge, Gatekeeper, error_response, too_large
+from fleet.frontend.gatekeeper import BodyTooLarge, Gatekeeper, error_body, error_response, too_large
 from fleet.frontend.metrics import Metrics
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, now
 from fleet.frontend.serving import RequestFailed, Serving
 
 logger = logging.getLogger(__name__)
+
+DRAIN_CUT_MARGIN_S = 1.0
+"""Requests still running this long before the end of the drain are ended with an error."""
 
 
 class APIError(Exception):
@@ -88,6 +91,10 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, error: EngineDeadError):
+        return error_response(503, str(error))
+
+    @app.exception_handler(ServerStopping)
+    async def server_stopping(_: Request, error: ServerStopping):
         return error_response(503, str(error))
 
     @app.exception_handler(RequestFailed)
@@ -180,13 +187,16 @@ async def off_loop(function, *args, **kwargs):
 
 
 def _stream(events) -> StreamingResponse:
+    """A stream that fails part-way ends with an error event and [DONE]: its
+    200 status has already gone out."""
+
     async def guarded():
         try:
             async for event in events:
                 yield event
-        except (RequestFailed, EngineDeadError) as error:
-            status = 503 if isinstance(error, EngineDeadError) else 500
-            yield f"data: {msgspec.json.encode({'error': {'message': str(error), 'type': 'InternalServerError', 'param': None, 'code': status}}).decode()}\n\n"
+        except (RequestFailed, EngineDeadError, ServerStopping) as error:
+            status = 500 if isinstance(error, RequestFailed) else 503
+            yield f"data: {msgspec.json.encode(error_body(status, str(error))).decode()}\n\n"
             yield "data: [DONE]\n\n"
 
     return StreamingResponse(guarded(), media_type="text/event-stream")
@@ -233,7 +243,9 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
         logger.exception("%s failed to start", name)
         ipc.report(info.handshake_address, StartupFailed(name, os.getpid(), f"{type(error).__name__}: {error}"))
         sys.exit(1)
-    server = uvicorn.Server(uvicorn.Config(app, fd=info.listen_fd, log_level=config.frontend.uvicorn_log_level, timeout_graceful_shutdown=int(config.frontend.shutdown_timeout)))
+    drain = config.frontend.shutdown_timeout
+    server = uvicorn.Server(uvicorn.Config(app, fd=info.listen_fd, log_level=config.frontend.uvicorn_log_level,
+                                           timeout_graceful_shutdown=drain))
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve())
@@ -241,10 +253,22 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
             await asyncio.sleep(0.05)
         if server.started:
             ipc.report(info.handshake_address, Ready(name, os.getpid()))
+        cutter = asyncio.create_task(_stop_unfinished_at_drain_end(server, engine, drain))
         await task
+        cutter.cancel()
 
     asyncio.run(serve())
     engine.shutdown()
+
+
+async def _stop_unfinished_at_drain_end(server, engine: AsyncEngine, drain: float) -> None:
+    """After SIGTERM uvicorn lets requests in flight run for `drain` seconds,
+    then cuts their connections. End them a moment before, with an error that
+    says why, so that a client knows its answer is incomplete."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(max(0.0, drain - DRAIN_CUT_MARGIN_S))
+    engine.stop_unfinished(f"the server shut down before the request finished (--shutdown-timeout {drain:g} s)")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -18,6 +18,11 @@ from fleet.frontend.metrics import Metrics
 from fleet.frontend.output_processor import RequestState, child_requests
 
 
+class ServerStopping(Exception):
+    """The drain after SIGTERM ended before the request did: HTTP 503, or a
+    final error event on a stream, instead of a connection cut mid-answer."""
+
+
 class _Tracked:
     """A running request: its state, its event loop queue and its timings."""
 
@@ -43,6 +48,7 @@ class AsyncEngine:
         metrics.tracked_requests.set_function(lambda: len(self._tracked))
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._stopping: ServerStopping | None = None
 
     @property
     def dead_reason(self) -> str | None:
@@ -59,6 +65,8 @@ class AsyncEngine:
         Leaving the loop early (client gone) aborts the request in the engine."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if self._stopping is not None:
+            raise self._stopping
         request_id = f"{self.client_index}-{next(self._ids)}"
         tracked = _Tracked(RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer), asyncio.Queue(), asyncio.get_running_loop())
         children = child_requests(request_id, prompt_token_ids, params, time.time(), self.client_index, priority)
@@ -74,6 +82,8 @@ class AsyncEngine:
             self.metrics.prompt_tokens(dp_rank).inc(len(prompt_token_ids))
             while not state.output.finished:
                 index, update = await tracked.queue.get()
+                if isinstance(update, ServerStopping):
+                    raise update
                 # Outputs are folded in here, on the event loop, so a handler never
                 # sees a state that the output thread is half-way through changing.
                 if index is None:
@@ -125,6 +135,14 @@ class AsyncEngine:
         with self._lock:
             for tracked, _ in self._tracked.values():
                 tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, (None, reason))
+
+    def stop_unfinished(self, reason: str) -> None:
+        """End every request in flight, and refuse new ones, with ServerStopping
+        (they are aborted in the engines as their handlers leave)."""
+        self._stopping = ServerStopping(reason)
+        with self._lock:
+            for tracked, _ in self._tracked.values():
+                tracked.queue.put_nowait((None, self._stopping))
 
     def shutdown(self) -> None:
         self.client.shutdown(timeout=0)

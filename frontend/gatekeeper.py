@@ -31,10 +31,13 @@ class BodyTooLarge(Exception):
     """The body grew past --max-request-body-bytes while being read (no Content-Length)."""
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_body(status: int, message: str, param: str | None = None) -> dict:
     kind = ERROR_TYPES.get(status, "InternalServerError")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
 
 
 def authorized(headers: Headers, api_key: str) -> bool:

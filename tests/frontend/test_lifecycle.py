@@ -1,8 +1,10 @@
 """Start, stop and failure of a whole `fleet launch` process tree."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -36,6 +38,34 @@ def test_sigterm_lets_requests_in_flight_finish_before_the_engines_stop(tiny_lla
     assert '"text"' in first
     assert rest[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in rest[-2].replace(" ", ""), rest[-2]
+    assert server.proc.wait(timeout=30) == 0
+    server.assert_nothing_left()
+
+
+def test_requests_still_running_when_the_drain_ends_get_an_error_not_a_cut(tiny_llama_dir):
+    """A stream gets a final error event and [DONE], a plain request a 503,
+    both naming --shutdown-timeout; the job still ends cleanly."""
+    server = launch(str(tiny_llama_dir), "--shutdown-timeout", "2")
+    long = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
+    plain = {}
+
+    def in_flight() -> None:
+        plain["response"] = server.post("/v1/completions", json=long)
+
+    thread = threading.Thread(target=in_flight)
+    with httpx.stream("POST", server.url + "/v1/completions", json={**long, "stream": True}, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        thread.start()
+        assert server.wait_until(lambda: server.metric("fleet:num_requests_running") == 2, timeout=10)
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    thread.join(timeout=30)
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 503 and "--shutdown-timeout 2 s" in error["message"], error
+    assert plain["response"].status_code == 503, plain["response"].text
+    assert "--shutdown-timeout 2 s" in plain["response"].json()["error"]["message"]
     assert server.proc.wait(timeout=30) == 0
     server.assert_nothing_left()
 
