@@ -140,18 +140,26 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
+class ContentPart(OpenAIBase):
+    """One part of a message's content: `{"type": "text", "text": ...}`, or
+    another type (an image) that this server refuses."""
+
+    type: str
+    text: str = ""
+
+
 class ChatMessage(OpenAIBase):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         """The message's text; a part of any other type (an image) is refused, not dropped."""
         if isinstance(self.content, list):
-            kinds = {part.get("type") for part in self.content} - {"text"}
+            kinds = {part.type for part in self.content} - {"text"}
             if kinds:
-                raise InvalidParameter("messages", f"content parts of type {sorted(map(str, kinds))} are not "
+                raise InvalidParameter("messages", f"content parts of type {sorted(kinds)} are not "
                                                    "supported: this model takes text only")
-            return "".join(part.get("text", "") for part in self.content)
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 

@@ -206,6 +206,10 @@ def test_fields_fleet_cannot_honour_are_400s_naming_them(server):
     response = server.post("/v1/chat/completions", json={"model": name, "messages": messages, "max_tokens": 2})
     error = assert_openai_error(response, 400, "messages")
     assert "image_url" in error["message"]
+    for malformed in ({"type": ["text"], "text": "hi"}, {"type": "text", "text": ["hi"]}, {"text": "hi"}):  # the fuzz found these 500s
+        for route in ("/v1/chat/completions", "/tokenize"):
+            response = server.post(route, json={"messages": [{"role": "user", "content": [malformed]}]})
+            assert response.status_code == 400, response.text
 
 
 def test_wrong_method_is_a_typed_405(server):
