@@ -97,7 +97,7 @@ class _Bodies:
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 options = schema[key]
-                return self._weighted(range(len(options)), options).flatmap(lambda i: self.wild(options[i]))
+                return self._weighted(dict(enumerate(options))).map(options.__getitem__).flatmap(self.wild)
         kind = schema.get("type")
         if kind == "array":
             return self._wild_list(schema.get("items", {}))
@@ -121,16 +121,15 @@ class _Bodies:
             )
             keys = st.one_of(INTEGERS.map(str), STRINGS)
             return st.one_of(st.dictionaries(keys, FLOATS | ANY_JSON, max_size=3), content_part, ANY_JSON)
-        spot = self._weighted(sorted(properties), [properties[name] for name in sorted(properties)])
-        return st.tuples(self.tame(schema), spot).flatmap(
+        return st.tuples(self.tame(schema), self._weighted(properties)).flatmap(
             lambda drawn: self.wild(properties[drawn[1]]).map(lambda value: {**drawn[0], drawn[1]: value})
         )
 
-    def _weighted(self, choices, schemas: list[dict]) -> st.SearchStrategy[Any]:
-        """One of `choices`, each as likely as its schema has places for a
+    def _weighted(self, schemas: dict[Any, dict]) -> st.SearchStrategy[Any]:
+        """A key of `schemas`, each as likely as its schema has places for a
         wild value: a field holding a list of messages is chosen more often
         than a boolean, so that the fuzz reaches as deep as the schema goes."""
-        return st.sampled_from([choice for choice, sub in zip(choices, schemas) for _ in range(self._size(sub))])
+        return st.sampled_from([key for key, sub in schemas.items() for _ in range(self._size(sub))])
 
     def _size(self, schema: dict) -> int:
         schema = self._resolve(schema)
