@@ -59,7 +59,8 @@ def bad_requests(model: str) -> list[tuple[str, str, bytes, set[int]]]:
 
     completion = {"prompt": "Hi", "max_tokens": 4}
     return [
-        ("logit_bias out of vocabulary", "/v1/completions", body({**completion, "logit_bias": {"100000000": 5}}), {400}),
+        ("logit_bias out of vocabulary", "/v1/completions",
+         body({**completion, "logit_bias": {"100000000": 5}}), {400}),
         ("logit_bias NaN", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 4, "logit_bias": {"5": NaN}}', {400}),
         ("stop_token_ids out of vocabulary", "/v1/completions",
          body({**completion, "stop_token_ids": [10**9], "min_tokens": 2}), {400}),
