@@ -127,18 +127,14 @@ class Heartbeat:
     def __init__(self, parallel: ParallelConfig):
         self.job = JobStore.client(parallel)  # its own connection: the launcher's is used from its own thread
         self.lost: NodeMissing | None = None
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True).start()
 
     def _run(self) -> None:
-        while not self._stopped.wait(HEARTBEAT_INTERVAL_S):
+        """Until a loss; the thread dies with the launcher."""
+        while True:
+            time.sleep(HEARTBEAT_INTERVAL_S)
             try:
                 self.job.beat()
             except NodeMissing as error:
                 self.lost = error
                 return
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join(timeout=5.0)

@@ -8,6 +8,7 @@ is the driver, returns the runner output.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -110,6 +111,7 @@ MALLOC_MMAP_THRESHOLD_BYTES = 32 * 2**20
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL("libc.so.6")
