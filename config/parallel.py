@@ -31,7 +31,8 @@ class ParallelConfig:
     data_parallel_rank: int | None = None
     """Rank of the one replica this launch runs; setting it selects external load balancing."""
     data_parallel_start_rank: int | None = None
-    """Rank of the first replica on this node; with --data-parallel-size-local it selects hybrid load balancing."""
+    """Rank of the first replica on this node; above 0, with --data-parallel-size-local, it selects hybrid load
+    balancing (the launch of start rank 0 passes --data-parallel-hybrid-lb, as with vLLM)."""
     data_parallel_address: str | None = None
     """Address of the node that runs data-parallel rank 0, where the others connect. Default: --master-addr."""
     data_parallel_rpc_port: int = 29550
@@ -141,12 +142,16 @@ class ParallelConfig:
                     f"--data-parallel-size-local must be 1 or unset with external load balancing "
                     f"(--data-parallel-rank / --data-parallel-external-lb), got {local_size}"
                 )
+            if rank is None:  # vLLM asserts the same: a lone launch cannot guess which replica it is
+                raise ValueError(
+                    "--data-parallel-external-lb needs --data-parallel-rank on a single node "
+                    "(or --nnodes and --node-rank, from which the rank is inferred)"
+                )
             local_size, hybrid = 1, False
-            rank = rank if rank is not None else inferred_rank
         elif local_size is not None:
-            # An explicit start rank (0 included, unlike vLLM, which needs --data-parallel-hybrid-lb
-            # on the first launch) makes this launch one of several front ends.
-            if self.data_parallel_start_rank is not None and not self.headless:
+            # A start rank above 0 makes this launch one of several front ends. As in vLLM,
+            # the first launch (start rank 0) of a hybrid job says so with --data-parallel-hybrid-lb.
+            if self.data_parallel_start_rank and not self.headless:
                 hybrid = True
             if hybrid and local_size == 1:
                 logger.warning("hybrid load balancing with --data-parallel-size-local 1 is external load balancing; switching")

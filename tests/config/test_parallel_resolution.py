@@ -149,6 +149,15 @@ def test_hybrid_flag_on_node_zero():
     assert decided(config) == Resolved(0, 2, external=False, hybrid=True, headless=False)
 
 
+def test_start_rank_zero_with_local_size_is_internal_unless_hybrid_is_asked():
+    """As vLLM: only a start rank above 0 implies hybrid; the first launch passes --data-parallel-hybrid-lb."""
+    config = resolve(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=0)
+    assert decided(config) == Resolved(0, 2, external=False, hybrid=False, headless=False)
+    config = resolve(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=0,
+                     data_parallel_hybrid_lb=True)
+    assert decided(config) == Resolved(0, 2, external=False, hybrid=True, headless=False)
+
+
 def test_local_size_without_start_rank_is_internal():
     config = resolve(data_parallel_size=4, data_parallel_size_local=2)
     assert decided(config) == Resolved(0, 2, external=False, hybrid=False, headless=False)
@@ -209,9 +218,11 @@ def test_external_lb_accepts_local_size_one():
     assert decided(config) == Resolved(3, 1, external=True, hybrid=False, headless=False)
 
 
-def test_external_lb_flag_alone_starts_at_rank_zero():
-    config = resolve(is_moe=True, data_parallel_size=2, data_parallel_external_lb=True)
-    assert decided(config) == Resolved(0, 1, external=True, hybrid=False, headless=False)
+def test_external_lb_flag_alone_on_one_node_is_an_error():
+    """vLLM refuses it too: the launch cannot know which replica it is (fleet once took rank 0)."""
+    with pytest.raises(ValueError) as error:
+        resolve(is_moe=True, data_parallel_size=2, data_parallel_external_lb=True)
+    assert_error_names(error, "--data-parallel-external-lb", "--data-parallel-rank", "--node-rank")
 
 
 @pytest.mark.parametrize("node_rank,expected_rank", [(0, 0), (1, 1), (2, 2), (3, 3)])
@@ -382,7 +393,3 @@ def test_a_single_launch_binds_any_free_master_port():
     assert resolve(is_moe=True, data_parallel_size=2, enable_expert_parallel=True).master_port is None
 
 
-def test_start_rank_zero_given_explicitly_is_the_first_hybrid_launch():
-    config = resolve(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=0)
-    assert decided(config) == Resolved(0, 2, external=False, hybrid=True, headless=False)
-    assert not resolve(data_parallel_size=4, data_parallel_size_local=2).data_parallel_hybrid_lb
