@@ -70,7 +70,8 @@ def job_flags() -> tuple[str, ...]:
 def test_hybrid_two_launches_each_balance_their_own_engines(tiny_qwen2_moe_dir):
     job = (tiny_qwen2_moe_dir, "--dp", "4", "--data-parallel-size-local", "2", "--enable-expert-parallel",
            *job_flags(), *TINY)
-    servers = start_together((*job, "--data-parallel-start-rank", "0", "--data-parallel-hybrid-lb"), (*job, "--data-parallel-start-rank", "2"))
+    first = (*job, "--data-parallel-start-rank", "0", "--data-parallel-hybrid-lb")  # as vLLM asks of start rank 0
+    servers = start_together(first, (*job, "--data-parallel-start-rank", "2"))
     try:
         assert [len(s.children_named("fleet-engine-dp")) for s in servers] == [2, 2]
         for index, server in enumerate(servers):
