@@ -90,16 +90,10 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
         return error_response(400, str(error), error.param)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, error: EngineDeadError):
-        return error_response(503, str(error))
-
     @app.exception_handler(ServerStopping)
-    async def server_stopping(_: Request, error: ServerStopping):
-        return error_response(503, str(error))
-
     @app.exception_handler(RequestFailed)
-    async def request_failed(_: Request, error: RequestFailed):
-        return error_response(500, f"the request failed in the engine: {error}")
+    async def not_served(_: Request, error: Exception):
+        return error_response(*_unserved(error))
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in served_names:
@@ -186,6 +180,17 @@ async def off_loop(function, *args, **kwargs):
     return await asyncio.to_thread(function, *args, **kwargs)
 
 
+UNSERVED = (RequestFailed, EngineDeadError, ServerStopping)
+"""Why an accepted request got no (complete) answer: a failure in the engine, a dead engine, the drain's end."""
+
+
+def _unserved(error: Exception) -> tuple[int, str]:
+    """The status and message of an UNSERVED error, for a response or a stream's last event."""
+    if isinstance(error, RequestFailed):
+        return 500, f"the request failed in the engine: {error}"
+    return 503, str(error)
+
+
 def _stream(events) -> StreamingResponse:
     """A stream that fails part-way ends with an error event and [DONE]: its
     200 status has already gone out."""
@@ -194,9 +199,8 @@ def _stream(events) -> StreamingResponse:
         try:
             async for event in events:
                 yield event
-        except (RequestFailed, EngineDeadError, ServerStopping) as error:
-            status = 500 if isinstance(error, RequestFailed) else 503
-            yield f"data: {msgspec.json.encode(error_body(status, str(error))).decode()}\n\n"
+        except UNSERVED as error:
+            yield f"data: {msgspec.json.encode(error_body(*_unserved(error))).decode()}\n\n"
             yield "data: [DONE]\n\n"
 
     return StreamingResponse(guarded(), media_type="text/event-stream")

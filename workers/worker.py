@@ -7,8 +7,6 @@ is the driver, returns the runner output.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import os
 import sys
@@ -31,6 +29,7 @@ from fleet.core.messages import (
     WorkerUtilityCall,
     WorkerUtilityResult,
 )
+from fleet.workers import cpu_heap
 from fleet.workers.executor import WorkerStartupInfo
 
 logger = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ class Worker:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
         output = self.runner.execute(plan)
         if self.device.type == "cpu" and plan.finished_request_ids and not plan.num_scheduled_tokens:
-            _return_free_heap()  # the last requests finished: the engine goes idle
+            cpu_heap.return_free_pages()  # the last requests finished: the engine goes idle
         return output
 
     def utility(self, method: str, args: list) -> object:
@@ -103,43 +102,8 @@ def _init_device(config: FleetConfig, local_rank: int, num_local_workers: int) -
         return device
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // num_local_workers))
-    _fix_malloc_mmap_threshold()
+    cpu_heap.fix_mmap_threshold()
     return torch.device("cpu")
-
-
-MALLOC_MMAP_THRESHOLD_BYTES = 32 * 2**20
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
-
-
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (musl, macOS): its malloc is left as it is
-        return None
-
-
-def _return_free_heap() -> None:
-    """Hand the free pages inside malloc's heap back to the kernel. Batches of
-    changing shapes leave holes that the heap keeps: a worker's RSS grew
-    12-20 % over a 5-minute soak with no leak, and stayed so when idle.
-    Called when a worker goes idle; it takes a few milliseconds."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def _fix_malloc_mmap_threshold() -> None:
-    """Activations live in malloc's heap on the CPU. glibc raises its mmap and
-    trim thresholds (to 32 and 64 MiB) each time a large block is freed, after
-    which the heap keeps whatever peak the batch shapes reached: a worker's RSS
-    wandered 10-20 % over a soak with no leak. A fixed threshold (the value the
-    dynamic one climbs to) keeps the trim threshold at 128 KiB, so freed heap
-    goes back: RSS follows live memory more closely, at no throughput cost
-    measured (scripts/bench_offline.py)."""
-    libc = _glibc()
-    if libc is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # the user's own tuning wins
-        libc.mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD_BYTES)
 
 
 # ---- the worker process --------------------------------------------------------------
