@@ -24,7 +24,7 @@ class ModelConfig:
     served_model_name: list[str] | None = None
     """Names the API answers to. Unset: the model argument (and `smollm2` for the default model)."""
     dtype: ModelDtype = "auto"
-    """Weight and activation dtype. auto: the checkpoint's (float16 becomes bfloat16 on CPU; GGUF files run in bfloat16)."""
+    """Weight and activation dtype. auto: the checkpoint's, but on a CPU bfloat16 only where it is native (AVX512-BF16/AMX), else float32 (float16 checkpoints and GGUF files count as bfloat16)."""
     max_model_len: HumanInt | None = None
     """Longest sequence (prompt plus output) in tokens. Unset: the model's context length."""
     seed: int = 0

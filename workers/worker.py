@@ -29,7 +29,7 @@ from fleet.core.messages import (
     WorkerUtilityCall,
     WorkerUtilityResult,
 )
-from fleet.workers import cpu_heap
+from fleet.workers import cpu_dtype, cpu_heap
 from fleet.workers.executor import WorkerStartupInfo
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class Worker:
         init_worker_groups(config, dp_rank, rank, *store)
         torch.manual_seed(config.model.seed)
         dtype = TORCH_DTYPES[config.model.dtype]
+        if self.device.type == "cpu" and rank == 0:
+            cpu_dtype.warn_if_bfloat16_is_emulated(dtype)
         model = load_model(config.model, config.load, dtype, self.device)
         self.is_driver = rank == driver_rank(config.parallel)
         self.runner = ModelRunner(config, model, self.device, self.is_driver)

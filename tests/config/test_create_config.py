@@ -8,8 +8,11 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from fleet.config import CompilationConfig, EngineArgs, FleetConfig
+from fleet.config.device import DeviceConfig, cpu_computes_bfloat16
+from fleet.config.engine_args import _resolve_dtype
 from fleet.config.model import DEFAULT_MODEL
 from fleet.config.model_files import DEFAULT_MODEL_PACKAGE
 
@@ -57,16 +60,28 @@ def test_model_without_a_context_length_needs_max_model_len(model_dir_with):
 
 
 @pytest.mark.parametrize(
-    "stored,expected",
-    [(None, "float32"), ("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "bfloat16")],
+    "stored,native_bf16,expected",
+    [
+        (None, True, "float32"), ("float32", True, "float32"), ("bfloat16", True, "bfloat16"),
+        ("float16", True, "bfloat16"),
+        (None, False, "float32"), ("float32", False, "float32"), ("bfloat16", False, "float32"),
+        ("float16", False, "float32"),
+    ],
 )
-def test_auto_dtype_is_the_checkpoints_on_cpu(model_dir_with, stored, expected):
-    path = model_dir_with(dtype=stored) if stored else model_dir_with()
-    assert create(path).model.dtype == expected
+def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_cpu_computes_it(stored, native_bf16, expected):
+    hf_config = {"dtype": stored} if stored else {}
+    assert _resolve_dtype("auto", hf_config, DeviceConfig("cpu"), cpu_has_bf16=native_bf16) == expected
 
 
-def test_auto_dtype_reads_the_old_torch_dtype_key(model_dir_with):
-    assert create(model_dir_with(torch_dtype="bfloat16")).model.dtype == "bfloat16"
+def test_auto_dtype_follows_this_cpu(model_dir_with):
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert cpu_computes_bfloat16() == native
+    assert create(model_dir_with(dtype="bfloat16")).model.dtype == ("bfloat16" if native else "float32")
+
+
+def test_auto_dtype_reads_the_old_torch_dtype_key():
+    hf_config = {"torch_dtype": "bfloat16"}
+    assert _resolve_dtype("auto", hf_config, DeviceConfig("cpu"), cpu_has_bf16=True) == "bfloat16"
 
 
 def test_float32_checkpoint_resolves_to_float32(llama_config_dir):
@@ -258,7 +273,7 @@ def test_default_model_resolves_from_the_packaged_gguf(default_config):
     assert model.architecture == "LlamaForCausalLM"
     assert model.hf_config["num_hidden_layers"] == 30
     assert model.served_model_name == ["smollm2", DEFAULT_MODEL]
-    assert model.dtype == "bfloat16"
+    assert model.dtype == ("bfloat16" if cpu_computes_bfloat16() else "float32")
     assert model.is_gguf and model.model_path.endswith(".gguf")
     assert default_config.load.load_format == "gguf"
     assert model.max_model_len == model.hf_config["max_position_embeddings"] > 0

@@ -1,0 +1,41 @@
+"""The cost of bfloat16 on a CPU that only emulates it.
+
+`--dtype auto` avoids it (config/engine_args.py); an explicit `--dtype
+bfloat16` on such a CPU runs, but says what it costs, measured here on one
+matmul of a typical prefill shape.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fleet.config.device import cpu_computes_bfloat16
+
+logger = logging.getLogger(__name__)
+
+PROBE_SHAPE = (256, 576, 1536)
+"""tokens x in x out: a 256-token prefill through SmolLM2's MLP."""
+
+
+def warn_if_bfloat16_is_emulated(dtype: torch.dtype) -> None:
+    if dtype != torch.bfloat16 or cpu_computes_bfloat16():
+        return
+    bf16_ms, f32_ms = _matmul_ms(torch.bfloat16), _matmul_ms(torch.float32)
+    logger.warning(
+        "--dtype bfloat16: this CPU has neither AVX512-BF16 nor AMX, so bfloat16 is emulated: "
+        "a %dx%dx%d matmul took %.1f ms in bfloat16 and %.1f ms in float32 (%.1fx); "
+        "--dtype auto picks float32 here", *PROBE_SHAPE, bf16_ms, f32_ms, bf16_ms / f32_ms,
+    )
+
+
+def _matmul_ms(dtype: torch.dtype, repeats: int = 3) -> float:
+    tokens, inputs, outputs = PROBE_SHAPE
+    x, w = torch.randn(tokens, inputs, dtype=dtype), torch.randn(outputs, inputs, dtype=dtype)
+    F.linear(x, w)  # first call: oneDNN picks and builds its kernel
+    start = time.perf_counter()
+    for _ in range(repeats):
+        F.linear(x, w)
+    return (time.perf_counter() - start) / repeats * 1e3
