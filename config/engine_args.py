@@ -14,8 +14,8 @@ from fleet.config.fields import HumanReadable, parse_human_int
 from fleet.config.fleet import FleetConfig
 from fleet.config.frontend import FrontendConfig
 from fleet.config.load import LoadConfig
-from fleet.config.model import DEFAULT_MODEL, DEFAULT_MODEL_ALIAS, ModelConfig
-from fleet.config.model_files import checkpoint_dtype, is_default_model, locate_model, read_hf_config
+from fleet.config.model import DEFAULT_MODEL, DEFAULT_MODEL_ALIAS, ModelConfig, checkpoint_dtype
+from fleet.config.model_files import is_default_model, locate_model, read_hf_config
 from fleet.config.parallel import ParallelConfig
 from fleet.config.scheduler import SchedulerConfig
 

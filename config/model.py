@@ -55,6 +55,14 @@ class ModelConfig:
     def is_gguf(self) -> bool:
         return self.model_path.endswith(".gguf")
 
+    @property
+    def keeps_bfloat16_decode_weights(self) -> bool:
+        """Whether a float32 model also keeps its linear weights in bfloat16
+        for steps of few rows, on a CPU (kernels/linear.py). Only when the
+        checkpoint stores bfloat16, so the copy is exact; such steps stream
+        the weights from memory, and half the bytes take half the time."""
+        return self.dtype == "float32" and not self.is_gguf and checkpoint_dtype(self.hf_config) == "bfloat16"
+
     def summary(self) -> dict[str, Any]:
         """What `fleet plan` shows of the model: no weights, no full HF config."""
         data = dataclasses.asdict(self)
@@ -70,3 +78,9 @@ def _num_experts(hf_config: dict[str, Any]) -> int:
         if hf_config.get(key):
             return int(hf_config[key])
     return 0
+
+
+def checkpoint_dtype(hf_config: dict[str, Any]) -> str:
+    """The dtype the checkpoint stores (float32 when the config does not say)."""
+    dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    return str(dtype).removeprefix("torch.")

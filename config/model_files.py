@@ -108,9 +108,3 @@ def _read_gguf_metadata(path: str) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "torch_dtype": "bfloat16",  # quantised weights are dequantised into this
     }
-
-
-def checkpoint_dtype(hf_config: dict[str, Any]) -> str:
-    """The dtype the checkpoint stores (float32 when the config does not say)."""
-    dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
-    return str(dtype).removeprefix("torch.")

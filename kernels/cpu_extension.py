@@ -30,7 +30,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "elementwise_cpu.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in (
+    "paged_attention_cpu.cpp", "elementwise_cpu.cpp", "linear_bf16_weight_cpu.cpp",
+)]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 

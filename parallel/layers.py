@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleet.kernels.linear import linear
 from fleet.parallel.comm import get_tp_group
 
 WeightLoader = Callable[..., None]
@@ -56,6 +57,9 @@ class ColumnParallelLinear(nn.Module):
     Output per rank: [..., output_size / tp]; `gather_output` concatenates it.
     """
 
+    decode_weight: torch.Tensor | None = None
+    """An exact bfloat16 copy of `weight` for steps of few rows (kernels/linear.py), or None."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -79,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
         return [(0, rows, self.tp.rank * rows)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [..., out / tp]
+        y = linear(x, self.weight, self.bias, self.decode_weight)  # [..., out / tp]
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -166,6 +170,9 @@ class RowParallelLinear(nn.Module):
     partial products are summed with one all-reduce, then the bias is added once.
     """
 
+    decode_weight: torch.Tensor | None = None
+    """An exact bfloat16 copy of `weight` for steps of few rows (kernels/linear.py), or None."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -181,8 +188,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # [..., out]
+            return linear(x, self.weight, self.bias, self.decode_weight)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.decode_weight))  # [..., out]
         return y + self.bias if self.bias is not None else y
 
 
@@ -221,12 +228,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharded like the embedding (so the two can be tied)."""
 
+    decode_weight: torch.Tensor | None = None
+    """An exact bfloat16 copy of `weight` for steps of few rows (kernels/linear.py), or None."""
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, dim] -> logits [N, vocab], gathered on every rank."""
-        logits = F.linear(hidden, self.weight)  # [N, rows_per_rank]
+        logits = linear(hidden, self.weight, None, self.decode_weight)  # [N, rows_per_rank]
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from fleet.tests.tiny_models import MOE_DIMS, write_tiny_model
 
@@ -19,6 +20,13 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Qwen2 with GQA, q/k/v biases and tied embeddings."""
     directory = tmp_path_factory.mktemp("tiny_qwen2")
     return os.fspath(write_tiny_model(directory, "qwen2", seed=1, tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The Qwen2 above (biases, tied embeddings), saved in bfloat16."""
+    directory = tmp_path_factory.mktemp("tiny_bf16_qwen2")
+    return os.fspath(write_tiny_model(directory, "qwen2", seed=1, dtype=torch.bfloat16, tie_word_embeddings=True))
 
 
 @pytest.fixture(scope="session")

@@ -52,8 +52,9 @@ def _corpus() -> list[str]:
     return sentences + ["0123456789 + - * / = ( ) [ ] { } < > # @ & % $ ! ? : ; , ."]
 
 
-def write_tiny_model(directory: Path, model_type: str, seed: int, **overrides) -> Path:
-    """Save a seeded random model of `model_type` in float32."""
+def write_tiny_model(directory: Path, model_type: str, seed: int, dtype: torch.dtype = torch.float32,
+                     **overrides) -> Path:
+    """Save a seeded random model of `model_type` in `dtype`."""
     import transformers
 
     config_class, model_class = (getattr(transformers, name) for name in MODEL_CLASSES[model_type])
@@ -61,7 +62,7 @@ def write_tiny_model(directory: Path, model_type: str, seed: int, **overrides) -
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32).eval()
     _randomise_biases_and_norms(model, seed)
-    model.save_pretrained(directory)
+    model.to(dtype).save_pretrained(directory)
     write_tiny_tokenizer(directory)
     return directory
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
+from fleet.kernels.linear import keep_bfloat16_decode_weights
 from fleet.workers.models.registry import get_model_class
 
 # llama.cpp tensor names -> HF names (per layer: blk.N.<part> -> model.layers.N.<module>)
@@ -47,6 +48,8 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, dtype: torch.
     else:
         path = model_config.model_path or model_config.model
         model.load_weights(iterate_weights(path, load_config.load_format, dtype))
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and model_config.keeps_bfloat16_decode_weights:
+        keep_bfloat16_decode_weights(model)
     return model.eval()
 
 

@@ -1,0 +1,50 @@
+"""The linear layers' matmul on this CPU: float32 MKL (F.linear) against the
+bfloat16 weight copy that decode steps use (kernels/linear.py), for
+SmolLM2-135M's shapes and 1 to 32 rows.
+
+    python -P scripts/bench_linear.py [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fleet.kernels.cpu_extension import cpu_kernels
+
+SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "o": (576, 576), "lm_head": (49152, 576)}
+
+
+def milliseconds(fn, repeats: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = cpu_kernels()
+    if ops is None:
+        raise SystemExit("the CPU kernels cannot be built here")
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
+    for name, (out_features, in_features) in SHAPES.items():
+        copy = torch.randn(out_features, in_features).bfloat16()
+        weight = copy.float()
+        for rows in (1, 2, 4, 8, 16, 32):
+            x = torch.randn(rows, in_features)
+            fp32 = milliseconds(lambda: F.linear(x, weight))
+            bf16 = milliseconds(lambda: ops.linear_bf16_weight(x, copy, None))
+            print(f"{name:8s} {out_features:5d}x{in_features:4d} rows {rows:2d}: float32 {fp32:7.3f} ms   "
+                  f"bf16 copy {bf16:7.3f} ms   ({fp32 / bf16:4.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""A bfloat16 checkpoint served in float32 on a CPU: decode steps multiply
+exact bfloat16 copies of the linear weights (kernels/linear.py), prefill the
+float32 weights; greedy outputs stay transformers' (float32, from the same
+checkpoint)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fleet
+from fleet import SamplingParams
+from fleet.config.load import LoadConfig
+from fleet.config.model import ModelConfig
+from fleet.config.model_files import read_hf_config
+from fleet.tests.engine.helpers import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
+from fleet.tests.engine.oracle import greedy, hf_model
+from fleet.workers.loader import load_model
+
+
+def loaded_layers_with_copies(model_dir: str) -> tuple[int, int]:
+    hf_config = read_hf_config(model_dir)
+    config = ModelConfig(model=model_dir, model_path=model_dir, architecture=hf_config["architectures"][0],
+                         hf_config=hf_config, dtype="float32")
+    model = load_model(config, LoadConfig(), torch.float32, torch.device("cpu"))
+    takers = [m for m in model.modules() if hasattr(m, "decode_weight")]
+    return len(takers), sum(m.decode_weight is not None for m in takers)
+
+
+def test_only_a_bfloat16_checkpoint_gets_copies(tiny_bf16_qwen2_dir, tiny_qwen2_dir):
+    takers, copies = loaded_layers_with_copies(tiny_bf16_qwen2_dir)
+    assert takers == copies > 0  # qkv, o, gate_up, down of every layer and the (tied) head
+    assert loaded_layers_with_copies(tiny_qwen2_dir)[1] == 0  # float32 checkpoint: a copy would round
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers(tiny_bf16_qwen2_dir):
+    llm = fleet.LLM(tiny_bf16_qwen2_dir, dtype="float32", device="cpu", max_num_seqs=16,
+                    kv_cache_memory_bytes="8M")
+    try:
+        model = hf_model(tiny_bf16_qwen2_dir)
+        params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+        for count in (1, 5, 12):  # decode steps of 1, 5 and 12 rows: copies, copies, float32
+            prompts = random_prompts(count, model.config.vocab_size, seed=count, max_len=60)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            for prompt, output in zip(prompts, outputs):
+                assert output.outputs[0].token_ids == greedy(model, prompt, 10)
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+    assert_no_fleet_processes()

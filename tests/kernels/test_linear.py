@@ -1,0 +1,67 @@
+"""The bfloat16 copy of linear weights that decode steps use on a CPU
+(kernels/linear.py, csrc/linear_bf16_weight_cpu.cpp), against torch's float32
+matmul of the same (widened) weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fleet.kernels.cpu_extension import cpu_kernels
+from fleet.kernels.linear import DECODE_ROWS, keep_bfloat16_decode_weights, linear
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_kernels()
+    if ops is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    return ops
+
+
+def bf16_exact(*shape: int, seed: int) -> torch.Tensor:
+    """float32 values that bfloat16 holds exactly (a bfloat16 checkpoint's)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("out_features,in_features", [(64, 64), (7, 16), (130, 37), (96, 576), (5, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_float32_matmul(ops, rows, out_features, in_features, with_bias):
+    weight = bf16_exact(out_features, in_features, seed=0)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(out_features) if with_bias else None
+    got = ops.linear_bf16_weight(x, weight.bfloat16(), bias)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * in_features**0.5)
+
+
+def test_kernel_rejects_what_it_does_not_compute(ops):
+    x, w = torch.randn(2, 16), torch.randn(8, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.linear_bf16_weight(x.bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_bf16_weight(torch.randn(2, 15), w, None)
+
+
+def test_linear_uses_the_copy_for_few_rows_only(ops):
+    weight = bf16_exact(48, 32, seed=2)
+    copy = weight.bfloat16()
+    few, many = torch.randn(DECODE_ROWS, 32), torch.randn(DECODE_ROWS + 1, 32)
+    torch.testing.assert_close(linear(few, weight, None, copy), ops.linear_bf16_weight(few, copy, None), rtol=0, atol=0)
+    torch.testing.assert_close(linear(many, weight, None, copy), F.linear(many, weight), rtol=0, atol=0)
+    torch.testing.assert_close(linear(few, weight), F.linear(few, weight), rtol=0, atol=0)
+
+
+def test_copies_go_to_the_layers_that_take_them():
+    class Layer(torch.nn.Module):
+        decode_weight = None
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(bf16_exact(8, 4, seed=3), requires_grad=False)
+
+    model = torch.nn.Sequential(Layer(), torch.nn.Embedding(10, 4), Layer())
+    added = keep_bfloat16_decode_weights(model)
+    assert added == 2 * 8 * 4 * 2
+    assert torch.equal(model[0].decode_weight.float(), model[0].weight)
+    assert not hasattr(model[1], "decode_weight")
