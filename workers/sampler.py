@@ -120,23 +120,20 @@ def _bias_mask_and_penalise(row_logits: torch.Tensor, row: SamplingRow) -> None:
         row_logits[ids] -= params.frequency_penalty * counts.to(row_logits.dtype) + params.presence_penalty
 
 
+TOP_P_CANDIDATES = 1024
+"""Tokens top-p first looks among (a partial sort); rows whose top 1024 hold
+less than p of the probability fall back to sorting the whole vocabulary."""
+
+
 def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """top-k, top-p and min-p, each only where some row asks for it."""
-    top_ks = [row.params.top_k for row in rows]
-    if any(k > 0 for k in top_ks):
-        vocab = logits.shape[-1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device).clamp(max=vocab)
-        sorted_logits = logits.sort(dim=-1, descending=True).values
-        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    """top-k, top-p and min-p, each only where some row asks for it. No full
+    sort of the vocabulary unless a row's top-p set is very wide: sorting
+    [32, 49152] costs 70 ms on a 2-core CPU, a top-1024 3 ms."""
+    vocab = logits.shape[-1]
+    top_ks = [row.params.top_k if 0 < row.params.top_k < vocab else vocab for row in rows]
     top_ps = [row.params.top_p for row in rows]
-    if any(p < 1.0 for p in top_ps):
-        p = torch.tensor(top_ps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= p  # keep the token that crosses p
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+    if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+        logits = _top_k_top_p(logits, top_ks, top_ps)
     min_ps = [row.params.min_p for row in rows]
     if any(p > 0.0 for p in min_ps):
         probs = logits.softmax(dim=-1)
@@ -145,18 +142,55 @@ def _truncate(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return logits
 
 
+def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float], sort_all: bool = False) -> torch.Tensor:
+    """Keep, per row, its top k tokens, then the fewest of them whose
+    probability (among those k) reaches p: the token that crosses p stays,
+    and so do ties with the last token kept. top_ks use the vocabulary size
+    for "no top-k". Only the largest logits are sorted, unless a row's set
+    may reach beyond them: those rows are done again over the whole vocabulary."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    wants_p = any(p < 1.0 for p in top_ps)
+    limited = [k for k in top_ks if k < vocab]
+    width = vocab if sort_all else min(vocab, max(limited + ([TOP_P_CANDIDATES] if wants_p else [])))
+    # [rows, width], descending (a full sort is faster than topk of everything)
+    values = logits.sort(dim=-1, descending=True).values if width == vocab else logits.topk(width, dim=-1).values
+    k = torch.tensor(top_ks, device=device)
+    p = torch.tensor(top_ps, dtype=torch.float64, device=device)
+    values = values.masked_fill(torch.arange(width, device=device) >= k.unsqueeze(1), float("-inf"))
+    beyond = torch.zeros_like(p, dtype=torch.bool)
+    if wants_p:
+        # Normalised over all the tokens top-k keeps: the whole row, or the top k seen here.
+        normaliser = torch.where(k >= vocab, logits.double().logsumexp(dim=-1), values.double().logsumexp(dim=-1))
+        probs = (values.double() - normaliser.unsqueeze(1)).exp()
+        cumulative = probs.cumsum(dim=-1)
+        values = values.masked_fill(cumulative - probs >= p.unsqueeze(1), float("-inf"))
+        beyond = (p < 1.0) & (k > width) & ((k < vocab) | (cumulative[:, -1] < p))
+    threshold = values.masked_fill(values == float("-inf"), float("inf")).min(dim=-1).values
+    threshold = threshold.masked_fill((k >= vocab) & (p >= 1.0), float("-inf"))  # rows that keep everything
+    kept = logits.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
+    rows = beyond.nonzero().flatten().tolist()
+    if rows:
+        kept[rows] = _top_k_top_p(logits[rows], [top_ks[i] for i in rows], [top_ps[i] for i in rows], True)
+    return kept
+
+
 def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """Greedy rows take the argmax; the others sample with the exponential
-    trick (argmax of p / q, q ~ Exp(1)), each seeded row from its own
-    generator so that its draw does not depend on the rest of the batch."""
+    """Greedy rows take the argmax; the others invert their cumulative
+    distribution at one uniform draw each, a seeded row's from its own
+    generator so that its draw does not depend on the rest of the batch.
+    (One number per row: an exponential or Gumbel draw per vocabulary entry
+    costs 40 ms for 32 rows of 49 152 on a 2-core CPU.)"""
     greedy = logits.argmax(dim=-1)
     if all(row.params.greedy for row in rows):
         return greedy.tolist()
-    probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs)
+    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # float64: no drift over a large vocabulary
+    uniform = torch.rand(len(rows), 1, dtype=torch.float64, device=logits.device)
     for i, row in enumerate(rows):
-        if not row.params.greedy:
-            noise[i].exponential_(generator=row.generator)
-    sampled = (probs / noise).argmax(dim=-1)
+        if row.generator is not None and not row.params.greedy:
+            uniform[i] = torch.rand(1, dtype=torch.float64, device=logits.device, generator=row.generator)
+    # The first token whose cumulative probability exceeds the draw; a token
+    # of probability 0 has an empty interval and is never chosen.
+    sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
     is_greedy = torch.tensor([row.params.greedy for row in rows], device=logits.device)
     return torch.where(is_greedy, greedy, sampled).tolist()
