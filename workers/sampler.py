@@ -181,16 +181,21 @@ def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     generator so that its draw does not depend on the rest of the batch.
     (One number per row: an exponential or Gumbel draw per vocabulary entry
     costs 40 ms for 32 rows of 49 152 on a 2-core CPU.)"""
-    greedy = logits.argmax(dim=-1)
-    if all(row.params.greedy for row in rows):
-        return greedy.tolist()
-    cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)  # float64: no drift over a large vocabulary
-    uniform = torch.rand(len(rows), 1, dtype=torch.float64, device=logits.device)
+    is_greedy = [row.params.greedy for row in rows]
+    if all(is_greedy):
+        return logits.argmax(dim=-1).tolist()
+    # float32 sums are off by about 1e-5 of the total over 49 152 tokens: a
+    # bias far below what sampling can show, for half the memory traffic.
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+    uniform = torch.rand(len(rows), 1, device=logits.device)
     for i, row in enumerate(rows):
         if row.generator is not None and not row.params.greedy:
-            uniform[i] = torch.rand(1, dtype=torch.float64, device=logits.device, generator=row.generator)
+            uniform[i] = torch.rand(1, device=logits.device, generator=row.generator)
     # The first token whose cumulative probability exceeds the draw; a token
     # of probability 0 has an empty interval and is never chosen.
     sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
-    is_greedy = torch.tensor([row.params.greedy for row in rows], device=logits.device)
+    if not any(is_greedy):
+        return sampled.tolist()
+    greedy = logits.argmax(dim=-1)
+    is_greedy = torch.tensor(is_greedy, device=logits.device)
     return torch.where(is_greedy, greedy, sampled).tolist()
