@@ -1,6 +1,6 @@
 """The linear layers' matmul on this CPU: float32 MKL (F.linear) against the
-bfloat16 weight copy that decode steps use (kernels/linear.py), for
-SmolLM2-135M's shapes and 1 to 32 rows.
+bfloat16 weight copy, packed, that decode steps use (kernels/linear.py), for
+SmolLM2-135M's shapes and 1 to 128 rows.
 
     python -P scripts/bench_linear.py [--threads 2]
 """
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fleet.kernels.cpu_extension import cpu_kernels
+from fleet.kernels.linear import pack_bfloat16
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "o": (576, 576), "lm_head": (49152, 576)}
 
@@ -36,12 +37,12 @@ def main() -> None:
         raise SystemExit("the CPU kernels cannot be built here")
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
     for name, (out_features, in_features) in SHAPES.items():
-        copy = torch.randn(out_features, in_features).bfloat16()
-        weight = copy.float()
-        for rows in (1, 2, 4, 8, 16, 32):
+        weight = torch.randn(out_features, in_features).bfloat16().float()
+        copy = pack_bfloat16(weight)
+        for rows in (1, 2, 4, 8, 16, 32, 64, 128):
             x = torch.randn(rows, in_features)
             fp32 = milliseconds(lambda: F.linear(x, weight))
-            bf16 = milliseconds(lambda: ops.linear_bf16_weight(x, copy, None))
+            bf16 = milliseconds(lambda: ops.linear_bf16_weight(x, copy, out_features, None))
             print(f"{name:8s} {out_features:5d}x{in_features:4d} rows {rows:2d}: float32 {fp32:7.3f} ms   "
                   f"bf16 copy {bf16:7.3f} ms   ({fp32 / bf16:4.2f}x)")
 

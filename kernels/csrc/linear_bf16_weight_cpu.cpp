@@ -1,18 +1,22 @@
 // y = x W^T (+ b) with float32 activations and bfloat16-stored weights, for
-// the few rows of a decode step on a CPU that computes bfloat16 only by
+// steps of a few dozen rows (decode) on a CPU that computes bfloat16 only by
 // emulation (kernels/linear.py decides when).
 //
-// Decoding a few sequences reads every weight once per step and does almost
-// no arithmetic with it: the step costs what the weights take to stream from
-// memory. A bfloat16 checkpoint held in bfloat16 streams half the bytes of
-// its float32 copy, and widening bfloat16 to float32 is exact (a 16-bit
-// shift), so the products are the float32 model's: only the order of the
-// float32 sums differs from a float32 GEMM.
+// A decode step reads every weight once and does little arithmetic with it:
+// with few rows it costs what the weights take to stream from memory, and a
+// bfloat16 copy streams half the bytes of float32. Widening bfloat16 to
+// float32 is exact (a 16-bit shift), so the products are the float32 model's;
+// only the order of the float32 sums differs from a float32 GEMM.
 //
-// x: [M, K] float32, contiguous. w: [N, K] bfloat16, contiguous. b: [N] float32.
-// Parallel over blocks of output features; each task widens ROWS weight rows
-// 16 values at a time and multiplies them with every row of x (x stays in L1).
-// Registered in torch.ops.fleet_cpu next to the other CPU kernels.
+// Weights come packed in panels of PANEL output features, k-major:
+// packed[panel][k][j] = W[panel * PANEL + j][k] (zero rows pad the last
+// panel), so each k of a panel is one 64-byte line, read in order. A task
+// computes one panel for up to ROWS rows of x at a time: per k it widens the
+// line into two float32 vectors, broadcasts each row's x[m][k] and does 2
+// FMAs per row into 2 * ROWS accumulators that stay in registers.
+//
+// x: [M, K] float32, contiguous. packed: [ceil(N / PANEL), K, PANEL] bfloat16.
+// b: [N] float32 or None. Registered in torch.ops.fleet_cpu.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,9 +36,8 @@
 
 namespace {
 
-constexpr int64_t ROWS = 4;      // weight rows multiplied together: each x load feeds 4 FMAs
-constexpr int64_t X_ROWS = 4;    // rows of x per pass over a block of weight rows
-constexpr int64_t GRAIN = 16;    // output features per parallel task (a multiple of ROWS)
+constexpr int64_t PANEL = 32;  // output features per panel: two 16-lane vectors
+constexpr int64_t ROWS = 8;    // rows of x per pass over a panel: 16 accumulators
 
 inline float widen(uint16_t bits) {
   uint32_t word = uint32_t(bits) << 16;
@@ -43,58 +46,63 @@ inline float widen(uint16_t bits) {
   return value;
 }
 
+// out[m][j] for MR rows of x (rows of length K, stride K) and one panel;
+// `valid` output features of the panel are stored, plus bias.
 #if FLEET_LIN_AVX512
-inline __m512 widen16(const uint16_t* p, __mmask16 mask) {
-  __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+inline __m512 widen16(const uint16_t* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// out[m][r] = x[m] . w[r] for ROWS weight rows and up to X_ROWS rows of x.
-template <int64_t MR>
-inline void dot_block(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float out[X_ROWS][ROWS]) {
-  __m512 acc[MR][ROWS];
-  for (int64_t m = 0; m < MR; ++m)
-    for (int64_t r = 0; r < ROWS; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-    __m512 wv[ROWS];
-    for (int64_t r = 0; r < ROWS; ++r) wv[r] = widen16(w + r * K + k, mask);
-    for (int64_t m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
-      for (int64_t r = 0; r < ROWS; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+template <int MR>
+void panel_rows(const float* x, int64_t K, const uint16_t* panel, const float* bias, float* y, int64_t ldy,
+                int64_t valid) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = widen16(panel + k * PANEL), w1 = widen16(panel + k * PANEL + 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
     }
   }
-  for (int64_t m = 0; m < MR; ++m)
-    for (int64_t r = 0; r < ROWS; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]);
-}
-#endif
-
-// Rows [n0, n0 + ROWS) of the output for rows [m0, m0 + mr) of x.
-void rows_block(const float* x, int64_t K, const uint16_t* w, int64_t n0, int64_t m0, int64_t mr, float out[X_ROWS][ROWS]) {
-  const float* xb = x + m0 * K;
-  const uint16_t* wb = w + n0 * K;
-#if FLEET_LIN_AVX512
-  switch (mr) {
-    case 1: dot_block<1>(xb, K, wb, K, out); return;
-    case 2: dot_block<2>(xb, K, wb, K, out); return;
-    case 3: dot_block<3>(xb, K, wb, K, out); return;
-    default: dot_block<4>(xb, K, wb, K, out); return;
+  const __mmask16 mask0 = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  const __mmask16 mask1 = valid >= 32 ? __mmask16(0xFFFF) : valid <= 16 ? __mmask16(0) : __mmask16((1u << (valid - 16)) - 1);
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(y + m * ldy, mask0, _mm512_add_ps(acc[m][0], b0));
+    _mm512_mask_storeu_ps(y + m * ldy + 16, mask1, _mm512_add_ps(acc[m][1], b1));
   }
+}
 #else
-  for (int64_t m = 0; m < mr; ++m)
-    for (int64_t r = 0; r < ROWS; ++r) {
-      float sum = 0.f;
-      for (int64_t k = 0; k < K; ++k) sum += xb[m * K + k] * widen(wb[r * K + k]);
-      out[m][r] = sum;
-    }
-#endif
+template <int MR>
+void panel_rows(const float* x, int64_t K, const uint16_t* panel, const float* bias, float* y, int64_t ldy,
+                int64_t valid) {
+  float acc[MR][PANEL] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int m = 0; m < MR; ++m)
+      for (int64_t j = 0; j < PANEL; ++j) acc[m][j] += x[m * K + k] * widen(panel[k * PANEL + j]);
+  for (int m = 0; m < MR; ++m)
+    for (int64_t j = 0; j < valid; ++j) y[m * ldy + j] = acc[m][j] + (bias ? bias[j] : 0.f);
 }
+#endif
 
-at::Tensor linear_bf16_weight(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+using PanelRows = void (*)(const float*, int64_t, const uint16_t*, const float*, float*, int64_t, int64_t);
+constexpr PanelRows PANEL_ROWS[ROWS + 1] = {nullptr,          panel_rows<1>, panel_rows<2>, panel_rows<3>, panel_rows<4>,
+                                            panel_rows<5>,    panel_rows<6>, panel_rows<7>, panel_rows<8>};
+
+at::Tensor linear_bf16_weight(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                              const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K] float32");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(), "w: contiguous [N, K] bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "x has ", K, " features, w expects ", w.size(1));
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(2) == PANEL &&
+                  packed.is_contiguous(),
+              "packed: contiguous [panels, K, ", PANEL, "] bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x has ", K, " features, the packed weight expects ", packed.size(1));
+  TORCH_CHECK(N > (panels - 1) * PANEL && N <= panels * PANEL, out_features, " output features do not fill ",
+              panels, " panels of ", PANEL);
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "bias: [N] float32");
@@ -102,34 +110,24 @@ at::Tensor linear_bf16_weight(const at::Tensor& x, const at::Tensor& w, const st
   }
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  const int64_t full = N - N % ROWS;
-  at::parallel_for(0, full / ROWS, GRAIN / ROWS, [&](int64_t begin, int64_t end) {
-    float out[X_ROWS][ROWS];
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t n0 = block * ROWS;
-      for (int64_t m0 = 0; m0 < M; m0 += X_ROWS) {
-        const int64_t mr = std::min(X_ROWS, M - m0);
-        rows_block(xp, K, wp, n0, m0, mr, out);
-        for (int64_t m = 0; m < mr; ++m)
-          for (int64_t r = 0; r < ROWS; ++r) yp[(m0 + m) * N + n0 + r] = out[m][r] + (b ? b[n0 + r] : 0.f);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t n0 = panel * PANEL, valid = std::min(PANEL, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+        const int64_t rows = std::min(ROWS, M - m0);
+        PANEL_ROWS[rows](xp + m0 * K, K, wp + panel * K * PANEL, b ? b + n0 : nullptr, yp + m0 * N + n0, N, valid);
       }
     }
   });
-  for (int64_t n = full; n < N; ++n)  // the last N % ROWS features
-    for (int64_t m = 0; m < M; ++m) {
-      float sum = 0.f;
-      for (int64_t k = 0; k < K; ++k) sum += xp[m * K + k] * widen(wp[n * K + k]);
-      yp[m * N + n] = sum + (b ? b[n] : 0.f);
-    }
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fleet_cpu, m) {
-  m.def("linear_bf16_weight(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_bf16_weight(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fleet_cpu, CPU, m) { m.impl("linear_bf16_weight", &linear_bf16_weight); }

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fleet.kernels.cpu_extension import cpu_kernels
-from fleet.kernels.linear import DECODE_ROWS, keep_bfloat16_decode_weights, linear
+from fleet.kernels.linear import DECODE_ROWS, PANEL, keep_bfloat16_decode_weights, linear, pack_bfloat16
 
 
 @pytest.fixture(scope="module")
@@ -24,30 +24,40 @@ def bf16_exact(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
-@pytest.mark.parametrize("out_features,in_features", [(64, 64), (7, 16), (130, 37), (96, 576), (5, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 32])
+@pytest.mark.parametrize("out_features,in_features", [(64, 64), (7, 16), (130, 37), (96, 576), (5, 1), (48, 3)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_kernel_matches_float32_matmul(ops, rows, out_features, in_features, with_bias):
     weight = bf16_exact(out_features, in_features, seed=0)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(out_features) if with_bias else None
-    got = ops.linear_bf16_weight(x, weight.bfloat16(), bias)
+    got = ops.linear_bf16_weight(x, pack_bfloat16(weight), out_features, bias)
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * in_features**0.5)
 
 
+def test_packing_puts_panels_k_major_and_pads_with_zeros():
+    weight = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+    packed = pack_bfloat16(weight)
+    assert packed.shape == (2, 3, PANEL) and packed.dtype == torch.bfloat16
+    assert packed[1, 2, 7].item() == weight[PANEL + 7, 2].item()
+    assert packed[1, :, 8:].eq(0).all()
+
+
 def test_kernel_rejects_what_it_does_not_compute(ops):
-    x, w = torch.randn(2, 16), torch.randn(8, 16).bfloat16()
+    x, packed = torch.randn(2, 16), pack_bfloat16(torch.randn(40, 16))
     with pytest.raises(RuntimeError, match="float32"):
-        ops.linear_bf16_weight(x.bfloat16(), w, None)
+        ops.linear_bf16_weight(x.bfloat16(), packed, 40, None)
     with pytest.raises(RuntimeError, match="features"):
-        ops.linear_bf16_weight(torch.randn(2, 15), w, None)
+        ops.linear_bf16_weight(torch.randn(2, 15), packed, 40, None)
+    with pytest.raises(RuntimeError, match="panels"):
+        ops.linear_bf16_weight(x, packed, 80, None)
 
 
 def test_linear_uses_the_copy_for_few_rows_only(ops):
     weight = bf16_exact(48, 32, seed=2)
-    copy = weight.bfloat16()
+    copy = pack_bfloat16(weight)
     few, many = torch.randn(DECODE_ROWS, 32), torch.randn(DECODE_ROWS + 1, 32)
-    torch.testing.assert_close(linear(few, weight, None, copy), ops.linear_bf16_weight(few, copy, None), rtol=0, atol=0)
+    torch.testing.assert_close(linear(few, weight, None, copy), ops.linear_bf16_weight(few, copy, 48, None), rtol=0, atol=0)
     torch.testing.assert_close(linear(many, weight, None, copy), F.linear(many, weight), rtol=0, atol=0)
     torch.testing.assert_close(linear(few, weight), F.linear(few, weight), rtol=0, atol=0)
 
@@ -62,6 +72,6 @@ def test_copies_go_to_the_layers_that_take_them():
 
     model = torch.nn.Sequential(Layer(), torch.nn.Embedding(10, 4), Layer())
     added = keep_bfloat16_decode_weights(model)
-    assert added == 2 * 8 * 4 * 2
-    assert torch.equal(model[0].decode_weight.float(), model[0].weight)
+    assert added == 2 * PANEL * 4 * 2  # two layers, each padded to one panel
+    assert torch.equal(model[0].decode_weight.transpose(1, 2).reshape(PANEL, 4)[:8].float(), model[0].weight)
     assert not hasattr(model[1], "decode_weight")
