@@ -158,10 +158,27 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+def rotate_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                     num_kv_heads: int) -> torch.Tensor | None:
+    """Where the fused CPU kernels apply: rotate the queries and keys in place
+    in the QKV projection's output [T, (H + 2 KVH) D], write keys and values
+    to their cache slots, and return the queries [T, H, D] (a view of qkv)
+    for `paged_attention(query, None, None, ...)`. One op instead of the ~20
+    of kernels/rotary.py and write_kv_cache. None where they do not apply."""
+    head_dim = kv_cache.shape[-1]
+    query = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+    fused = _fused_cpu_ops(query, kv_cache)
+    if fused is None or not qkv.is_contiguous() or cos_sin_cache.dtype != qkv.dtype or qkv.shape[0] == 0:
+        return None
+    fused.rotary_and_cache_(qkv, positions, cos_sin_cache, kv_cache, slot_mapping, num_heads, num_kv_heads)
+    return query
+
+
 def paged_attention(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
@@ -170,7 +187,8 @@ def paged_attention(
     and the new tokens up to itself.
 
     Args:
-        query: [T, H, D]; key, value: [T, KVH, D] (H a multiple of KVH: GQA).
+        query: [T, H, D]; key, value: [T, KVH, D] (H a multiple of KVH: GQA),
+            or None when `rotate_and_cache` has put them in the cache already.
         kv_cache: this layer's cache, [2, num_blocks, block_size, KVH, D];
             the new keys/values are written into it first.
         meta: the batch layout (decodes first, see AttentionMetadata).
@@ -180,7 +198,8 @@ def paged_attention(
     """
     if query.shape[0] == 0:  # a replica's empty step in lock-step with the others
         return torch.empty_like(query)
-    write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+    if key is not None:
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
     fused = _fused_cpu_ops(query, kv_cache)
     if fused is not None:
         # Decodes and prefill chunks alike: each token is a row attending to

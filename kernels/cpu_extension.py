@@ -31,7 +31,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in (
-    "paged_attention_cpu.cpp", "elementwise_cpu.cpp", "linear_bf16_weight_cpu.cpp",
+    "paged_attention_cpu.cpp", "elementwise_cpu.cpp", "linear_bf16_weight_cpu.cpp", "rotary_cache_cpu.cpp",
 )]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

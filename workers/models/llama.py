@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fleet.kernels.activation import silu_and_mul
-from fleet.kernels.attention import AttentionMetadata, paged_attention
+from fleet.kernels.attention import AttentionMetadata, paged_attention, rotate_and_cache
 from fleet.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from fleet.kernels.rotary import RotaryEmbedding
 from fleet.parallel.comm import get_pp_group
@@ -89,7 +89,13 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        q = rotate_and_cache(qkv, positions, rotary.cos_sin_cache, kv_cache, meta.slot_mapping,
+                             self.num_heads, self.num_kv_heads)
+        if q is not None:  # fused on the CPU: keys and values are in the cache
+            out = paged_attention(q, None, None, kv_cache, meta, self.scale)  # [T, H, D]
+            return self.o_proj(out.view(num_tokens, q_size))  # [T, hidden]
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
