@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fleet.config.device import cpu_has_avx512
 from fleet.config.fields import RESOLVED, HumanInt
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -55,13 +56,14 @@ class ModelConfig:
     def is_gguf(self) -> bool:
         return self.model_path.endswith(".gguf")
 
-    @property
-    def keeps_bfloat16_decode_weights(self) -> bool:
+    def keeps_bfloat16_decode_weights(self, device: str) -> bool:
         """Whether a float32 model also keeps its linear weights in bfloat16
-        for steps of few rows, on a CPU (kernels/linear.py). Only when the
-        checkpoint stores bfloat16, so the copy is exact; such steps stream
-        the weights from memory, and half the bytes take half the time."""
-        return self.dtype == "float32" and not self.is_gguf and checkpoint_dtype(self.hf_config) == "bfloat16"
+        for steps of few rows (kernels/linear.py): on a CPU with AVX-512, the
+        kernel's fast path, and only when the checkpoint stores bfloat16, so
+        the copy is exact. Such steps stream the weights from memory: half
+        the bytes take half the time."""
+        exact = self.dtype == "float32" and not self.is_gguf and checkpoint_dtype(self.hf_config) == "bfloat16"
+        return exact and device == "cpu" and cpu_has_avx512()
 
     def summary(self) -> dict[str, Any]:
         """What `fleet plan` shows of the model: no weights, no full HF config."""

@@ -2,9 +2,10 @@
 that steps of few rows use on a CPU.
 
 A decode step of a few sequences does little arithmetic per weight and
-streams every weight from memory once: it costs what the weights weigh. A
-float32 model from a bfloat16 checkpoint (ModelConfig.keeps_bfloat16_decode_weights;
-float32 is what --dtype auto picks on CPUs that only emulate bfloat16) keeps an exact bfloat16
+streams every weight from memory once: it costs what the weights weigh. On
+a CPU with AVX-512, a float32 model from a bfloat16 checkpoint (float32 is
+what --dtype auto picks where bfloat16 is only emulated; the rule is
+ModelConfig.keeps_bfloat16_decode_weights) keeps an exact bfloat16
 copy of each linear weight beside the float32 one, packed in panels for
 `csrc/linear_bf16_weight_cpu.cpp`; steps of up to DECODE_ROWS rows multiply
 it there, widening to float32 as they go: half the bytes, and register

@@ -41,8 +41,8 @@ def main() -> None:
         copy = pack_bfloat16(weight)
         for rows in (1, 2, 4, 8, 16, 32, 64, 128):
             x = torch.randn(rows, in_features)
-            fp32 = milliseconds(lambda: F.linear(x, weight))
-            bf16 = milliseconds(lambda: ops.linear_bf16_weight(x, copy, out_features, None))
+            fp32 = milliseconds(lambda x=x, weight=weight: F.linear(x, weight))
+            bf16 = milliseconds(lambda x=x, copy=copy, n=out_features: ops.linear_bf16_weight(x, copy, n, None))
             print(f"{name:8s} {out_features:5d}x{in_features:4d} rows {rows:2d}: float32 {fp32:7.3f} ms   "
                   f"bf16 copy {bf16:7.3f} ms   ({fp32 / bf16:4.2f}x)")
 

@@ -48,7 +48,7 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, dtype: torch.
     else:
         path = model_config.model_path or model_config.model
         model.load_weights(iterate_weights(path, load_config.load_format, dtype))
-    if torch.device(device).type == "cpu" and dtype == torch.float32 and model_config.keeps_bfloat16_decode_weights:
+    if dtype == torch.float32 and model_config.keeps_bfloat16_decode_weights(torch.device(device).type):
         keep_bfloat16_decode_weights(model)
     return model.eval()
 

@@ -241,7 +241,7 @@ def worker_weight_bytes(config: FleetConfig) -> int:
     vocab_tables = 1 if hf.get("tie_word_embeddings") else 2
     embedding = vocab_tables * shape.vocab * shape.hidden / tp / min(pp, vocab_tables)
     weights = (layer * _layers_per_stage(config) + embedding) * DTYPE_BYTES[config.model.dtype]
-    if config.device.device == "cpu" and config.model.keeps_bfloat16_decode_weights:
+    if config.model.keeps_bfloat16_decode_weights(config.device.device):
         weights *= 1.5  # the bfloat16 copy for decode steps (kernels/linear.py): at most half again
     return int(weights)
 

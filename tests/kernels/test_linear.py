@@ -57,7 +57,8 @@ def test_linear_uses_the_copy_for_few_rows_only(ops):
     weight = bf16_exact(48, 32, seed=2)
     copy = pack_bfloat16(weight)
     few, many = torch.randn(DECODE_ROWS, 32), torch.randn(DECODE_ROWS + 1, 32)
-    torch.testing.assert_close(linear(few, weight, None, copy), ops.linear_bf16_weight(few, copy, 48, None), rtol=0, atol=0)
+    expected = ops.linear_bf16_weight(few, copy, 48, None)
+    torch.testing.assert_close(linear(few, weight, None, copy), expected, rtol=0, atol=0)
     torch.testing.assert_close(linear(many, weight, None, copy), F.linear(many, weight), rtol=0, atol=0)
     torch.testing.assert_close(linear(few, weight), F.linear(few, weight), rtol=0, atol=0)
 

@@ -20,7 +20,9 @@ def kernels():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 2, 64), (37, 9, 3, 64), (5, 2, 2, 128), (3, 8, 1, 32)])
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,head_dim", [(1, 4, 2, 64), (37, 9, 3, 64), (5, 2, 2, 128), (3, 8, 1, 32)]
+)
 def test_matches_the_torch_ops_bit_for_bit(dtype, tokens, heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(tokens)
     rotary = RotaryEmbedding(head_dim, 4096, HF_CONFIG, dtype, "cpu")
@@ -32,7 +34,9 @@ def test_matches_the_torch_ops_bit_for_bit(dtype, tokens, heads, kv_heads, head_
     expected_cache = cache.clone()
 
     q, k, v = qkv.clone().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    expected_q, expected_k = rotary(positions, q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim))
+    expected_q, expected_k = rotary(
+        positions, q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim)
+    )
     write_kv_cache(expected_k, v.reshape(tokens, kv_heads, head_dim), expected_cache, slots)
 
     got_q = rotate_and_cache(qkv, positions, rotary.cos_sin_cache, cache, slots, heads, kv_heads)
