@@ -234,9 +234,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, dim] -> logits [N, vocab], gathered on every rank."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, dim] -> logits [N, vocab] on tensor rank 0, the one that
+        samples; None on the other ranks (a gather, not an all-gather: the
+        others never read them)."""
         logits = linear(hidden, self.weight, None, self.decode_weight)  # [N, rows_per_rank]
         if self.tp.size == 1:
             return logits
-        return self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]
+        gathered = self.tp.gather(logits, dst=0, dim=-1)
+        return None if gathered is None else gathered[:, : self.num_embeddings]

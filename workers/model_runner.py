@@ -68,7 +68,7 @@ class ModelRunner:
             return ModelRunnerOutput(plan.step_id, [], [], None, prompt_logprobs) if self.is_driver else None
         last_token_index = batch.query_start_loc[1:][sampling].long() - 1
         logits = self.model.compute_logits(hidden[last_token_index])  # collective over the TP group
-        if not self.is_driver:
+        if not self.is_driver:  # only the driver (tensor rank 0) received the logits
             return None
         rows = [self._sampling_row(batch.requests[i]) for i in sampling]
         sampled, logprobs, errors = sample_isolating_failures(logits, rows)
@@ -110,11 +110,14 @@ class ModelRunner:
             last_predicting = min(seq_len, state.num_prompt_tokens - 1)
             if state.params.prompt_logprobs is not None and start < last_predicting:
                 positions = slice(offset, offset + last_predicting - start)
-                logprobs = torch.log_softmax(self.model.compute_logits(hidden[positions]), dim=-1)
-                targets = state.prompt_token_ids[start + 1 : last_predicting + 1]
-                result[state.request_id] = [
-                    top_logprobs(row, target, state.params.prompt_logprobs) for row, target in zip(logprobs, targets)
-                ]
+                logits = self.model.compute_logits(hidden[positions])  # collective over the TP group
+                if logits is not None:  # tensor rank 0 only
+                    logprobs = torch.log_softmax(logits, dim=-1)
+                    targets = state.prompt_token_ids[start + 1 : last_predicting + 1]
+                    result[state.request_id] = [
+                        top_logprobs(row, target, state.params.prompt_logprobs)
+                        for row, target in zip(logprobs, targets, strict=True)
+                    ]
             offset += n
         return result
 

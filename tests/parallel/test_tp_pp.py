@@ -12,7 +12,7 @@ import pytest
 import fleet
 from fleet import SamplingParams
 from fleet.tests.engine.helpers import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
-from fleet.tests.engine.oracle import greedy, hf_model
+from fleet.tests.engine.oracle import greedy, hf_model, log_softmax
 from fleet.tests.frontend.server import Server
 
 pytestmark = pytest.mark.slow
@@ -36,6 +36,26 @@ def test_greedy_matches_transformers(request, model_fixture, tp, pp):
         for prompt, output in zip(prompts, outputs):
             assert output.outputs[0].token_ids == greedy(oracle, prompt, 8)
         assert_all_blocks_free(llm)
+    assert_no_fleet_processes()
+
+
+def test_logprobs_over_tp2_match_log_softmax(tiny_qwen2_dir):
+    """Only tensor rank 0 receives the logits (a gather): sampled and prompt
+    logprobs still come out whole, and right."""
+    oracle = hf_model(str(tiny_qwen2_dir))
+    prompt = random_prompts(1, oracle.config.vocab_size, seed=77, max_len=40)[0]
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, logprobs=3, prompt_logprobs=2)
+    with fleet.LLM(str(tiny_qwen2_dir), dtype="float32", device="cpu", kv_cache_memory_bytes="2M",
+                   tensor_parallel_size=2) as llm:
+        output = llm.generate([prompt], params, use_tqdm=False)[0]
+    sequence = output.outputs[0]
+    reference = log_softmax(oracle, prompt + sequence.token_ids)
+    assert len(output.prompt_logprobs) == len(prompt)
+    for position, top in enumerate(output.prompt_logprobs[1:], start=1):
+        token = prompt[position]
+        assert abs(top[token].logprob - reference[position - 1][token].item()) < 1e-4
+    for step, (token, top) in enumerate(zip(sequence.token_ids, sequence.logprobs, strict=True)):
+        assert abs(top[token].logprob - reference[len(prompt) - 1 + step][token].item()) < 1e-4
     assert_no_fleet_processes()
 
 

@@ -237,9 +237,11 @@ class LlamaForCausalLM(nn.Module):
         stage) or the intermediate [2, T, hidden] for the next stage."""
         return self.model(input_ids, positions, kv_caches, attn_meta, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head.compute_logits(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> float32 logits [N, vocab] on tensor rank 0,
+        None on the other ranks (a collective over the TP group)."""
+        logits = self.lm_head.compute_logits(hidden)
+        return None if logits is None else logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Load HF-named weights (tensors or safetensors slices); every
