@@ -248,11 +248,12 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
         ipc.report(info.handshake_address, StartupFailed(name, os.getpid(), f"{type(error).__name__}: {error}"))
         sys.exit(1)
     drain = config.frontend.shutdown_timeout
-    server = uvicorn.Server(uvicorn.Config(app, fd=info.listen_fd, log_level=config.frontend.uvicorn_log_level,
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.frontend.uvicorn_log_level,
                                            timeout_graceful_shutdown=drain))
+    listener = inherited_listener(info.listen_fd)
 
     async def serve() -> None:
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[listener]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
@@ -284,6 +285,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock
+
+
+def inherited_listener(fd: int) -> socket.socket:
+    """The launcher's listening socket, as a socket object that knows it is
+    TCP (read from the descriptor). uvicorn.Config(fd=...) wraps a descriptor
+    as AF_UNIX, so asyncio left Nagle's algorithm on for every connection and
+    each response after the first on a kept-alive connection waited ~40 ms
+    for the client's delayed ACK."""
+    return socket.socket(fileno=fd)
 
 
 def main() -> None:
