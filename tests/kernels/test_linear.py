@@ -7,16 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fleet.kernels.cpu_extension import cpu_kernels
 from fleet.kernels.linear import DECODE_ROWS, PANEL, keep_bfloat16_decode_weights, linear, pack_bfloat16
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = cpu_kernels()
-    if ops is None:
-        pytest.skip("the CPU kernels cannot be built here")
-    return ops
 
 
 def bf16_exact(*shape: int, seed: int) -> torch.Tensor:

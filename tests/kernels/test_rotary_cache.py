@@ -7,16 +7,11 @@ import pytest
 import torch
 
 from fleet.kernels.attention import rotate_and_cache, write_kv_cache
-from fleet.kernels.cpu_extension import cpu_kernels
 from fleet.kernels.rotary import RotaryEmbedding
 
 HF_CONFIG = {"rope_theta": 10000.0}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    if cpu_kernels() is None:
-        pytest.skip("the CPU kernels cannot be built here")
+pytestmark = pytest.mark.usefixtures("ops")  # skips where the CPU kernels cannot be built
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
