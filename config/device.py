@@ -49,16 +49,16 @@ NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 def cpu_computes_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16).
     Elsewhere oneDNN emulates it, 3-8x slower than float32."""
-    return any(flag in _cpu_flags() for flag in NATIVE_BF16_CPU_FLAGS)
+    return any(flag in cpu_flags() for flag in NATIVE_BF16_CPU_FLAGS)
 
 
 def cpu_has_avx512() -> bool:
     """Whether fleet's CPU kernels get their AVX-512 paths (F and BW)."""
-    return {"avx512f", "avx512bw"} <= _cpu_flags()
+    return {"avx512f", "avx512bw"} <= cpu_flags()
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags, read from /proc/cpuinfo, not torch, so that
     the launcher stays light; a system without it (not Linux) has none."""
     try:

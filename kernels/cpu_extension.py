@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from fleet.config.device import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in (
@@ -102,15 +104,8 @@ def _fingerprint() -> str:
     digest = hashlib.sha256()
     for source in [*_SOURCES, *sorted(_SOURCES[0].parent.glob("*.h"))]:
         digest.update(source.read_bytes())
-    parts = [*_CFLAGS, *_LDFLAGS, torch.__version__, platform.python_version(), platform.machine(), _cpu_flags()]
+    cpu = " ".join(sorted(cpu_flags())) or platform.processor()  # -march=native code is this CPU's
+    parts = [*_CFLAGS, *_LDFLAGS, torch.__version__, platform.python_version(), platform.machine(), cpu]
     digest.update("\0".join(parts).encode())
     return digest.hexdigest()[:12]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
 

@@ -92,14 +92,13 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         q = rotate_and_cache(qkv, positions, rotary.cos_sin_cache, kv_cache, meta.slot_mapping,
                              self.num_heads, self.num_kv_heads)
-        if q is not None:  # fused on the CPU: keys and values are in the cache
-            out = paged_attention(q, None, None, kv_cache, meta, self.scale)  # [T, H, D]
-            return self.o_proj(out.view(num_tokens, q_size))  # [T, hidden]
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        q, k = rotary(positions, q, k)
+        k = v = None  # fused on the CPU: rotated, and the keys and values are in the cache
+        if q is None:
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+            q, k = rotary(positions, q, k)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.view(num_tokens, q_size))  # [T, hidden]
 
