@@ -57,12 +57,14 @@ class ModelConfig:
         return self.model_path.endswith(".gguf")
 
     def keeps_bfloat16_decode_weights(self, device: str) -> bool:
-        """Whether a float32 model also keeps its linear weights in bfloat16
+        """Whether the model also keeps its linear weights in bfloat16, packed
         for steps of few rows (kernels/linear.py): on a CPU with AVX-512, the
-        kernel's fast path, and only when the checkpoint stores bfloat16, so
-        the copy is exact. Such steps stream the weights from memory: half
-        the bytes take half the time."""
-        exact = self.dtype == "float32" and not self.is_gguf and checkpoint_dtype(self.hf_config) == "bfloat16"
+        kernel's fast path, and only where the copy is exact: a bfloat16
+        model, or a float32 one whose checkpoint stores bfloat16. Such steps
+        stream the weights from memory: half the bytes of float32 take half
+        the time, and the kernel beats the library GEMM's call for bfloat16."""
+        from_bfloat16 = not self.is_gguf and checkpoint_dtype(self.hf_config) == "bfloat16"
+        exact = self.dtype == "bfloat16" or (self.dtype == "float32" and from_bfloat16)
         return exact and device == "cpu" and cpu_has_avx512()
 
     def summary(self) -> dict[str, Any]:

@@ -49,7 +49,7 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, dtype: torch.
         path = model_config.model_path or model_config.model
         model.load_weights(iterate_weights(path, load_config.load_format, dtype))
     if model_config.keeps_bfloat16_decode_weights(torch.device(device).type):
-        keep_bfloat16_decode_weights(model)  # copies only float32 weights
+        keep_bfloat16_decode_weights(model)
     return model.eval()
 
 

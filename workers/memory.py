@@ -242,7 +242,9 @@ def worker_weight_bytes(config: FleetConfig) -> int:
     embedding = vocab_tables * shape.vocab * shape.hidden / tp / min(pp, vocab_tables)
     weights = (layer * _layers_per_stage(config) + embedding) * DTYPE_BYTES[config.model.dtype]
     if config.model.keeps_bfloat16_decode_weights(config.device.device):
-        weights *= 1.5  # the bfloat16 copy for decode steps (kernels/linear.py): at most half again
+        # The bfloat16 copy for decode steps (kernels/linear.py): at most half
+        # again a float32 model, as much again a bfloat16 one.
+        weights *= 2 if config.model.dtype == "bfloat16" else 1.5
     return int(weights)
 
 

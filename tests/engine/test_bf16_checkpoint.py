@@ -1,7 +1,7 @@
-"""A bfloat16 checkpoint served in float32 on a CPU: decode steps multiply
-exact bfloat16 copies of the linear weights (kernels/linear.py), prefill the
-float32 weights; greedy outputs stay transformers' (float32, from the same
-checkpoint)."""
+"""Decode steps on a CPU multiply packed bfloat16 copies of the linear
+weights (kernels/linear.py), prefill the model's own: for a bfloat16
+checkpoint served in float32, greedy outputs stay transformers' (float32,
+from the same checkpoint); a bfloat16 model keeps copies of any checkpoint."""
 from __future__ import annotations
 
 import pytest
@@ -18,11 +18,11 @@ from fleet.tests.engine.oracle import greedy, hf_model
 from fleet.workers.loader import load_model
 
 
-def loaded_layers_with_copies(model_dir: str) -> tuple[int, int]:
+def loaded_layers_with_copies(model_dir: str, dtype: str = "float32") -> tuple[int, int]:
     hf_config = read_hf_config(model_dir)
     config = ModelConfig(model=model_dir, model_path=model_dir, architecture=hf_config["architectures"][0],
-                         hf_config=hf_config, dtype="float32")
-    model = load_model(config, LoadConfig(), torch.float32, torch.device("cpu"))
+                         hf_config=hf_config, dtype=dtype)
+    model = load_model(config, LoadConfig(), getattr(torch, dtype), torch.device("cpu"))
     takers = [m for m in model.modules() if hasattr(m, "decode_weight")]
     return len(takers), sum(m.decode_weight is not None for m in takers)
 
@@ -34,6 +34,11 @@ def test_only_a_bfloat16_checkpoint_gets_copies(tiny_bf16_qwen2_dir, tiny_qwen2_
     assert loaded_layers_with_copies(tiny_qwen2_dir)[1] == 0  # float32 checkpoint: a copy would round
 
 
+def test_a_bfloat16_model_gets_copies_of_any_checkpoint(tiny_qwen2_dir):
+    takers, copies = loaded_layers_with_copies(tiny_qwen2_dir, "bfloat16")
+    assert takers > 0 and copies == (takers if cpu_has_avx512() else 0)
+
+
 @pytest.mark.slow
 def test_greedy_matches_transformers(tiny_bf16_qwen2_dir):
     llm = fleet.LLM(tiny_bf16_qwen2_dir, dtype="float32", device="cpu", max_num_seqs=16,
@@ -41,7 +46,7 @@ def test_greedy_matches_transformers(tiny_bf16_qwen2_dir):
     try:
         model = hf_model(tiny_bf16_qwen2_dir)
         params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
-        for count in (1, 5, 12):  # decode steps of 1, 5 and 12 rows: copies, copies, float32
+        for count in (1, 5, 12):  # decode steps of 1, 5 and 12 rows; prefill steps of more, in float32
             prompts = random_prompts(count, model.config.vocab_size, seed=count, max_len=60)
             outputs = llm.generate(prompts, params, use_tqdm=False)
             for prompt, output in zip(prompts, outputs, strict=True):

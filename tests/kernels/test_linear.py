@@ -1,6 +1,7 @@
 """The bfloat16 copy of linear weights that decode steps use on a CPU
-(kernels/linear.py, csrc/linear_bf16_weight_cpu.cpp), against torch's float32
-matmul of the same (widened) weights."""
+(kernels/linear.py, csrc/linear_bf16_weight_cpu.cpp), against torch's matmul
+of the same weights: float32 for a float32 model (the widened weights),
+bfloat16 for a bfloat16 one."""
 from __future__ import annotations
 
 import pytest
@@ -26,6 +27,22 @@ def test_kernel_matches_float32_matmul(ops, rows, out_features, in_features, wit
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * in_features**0.5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("out_features,in_features", [(64, 64), (130, 37), (96, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_activations_match_bfloat16_matmul(ops, rows, out_features, in_features, with_bias):
+    """Both sum float32 products of the same bfloat16 numbers and round once
+    to bfloat16, in different orders: a rounding step apart at most."""
+    weight = bf16_exact(out_features, in_features, seed=0).bfloat16()
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    bias = torch.randn(out_features).bfloat16() if with_bias else None
+    got = ops.linear_bf16_weight(x, pack_bfloat16(weight), out_features, bias)
+    assert got.dtype == torch.bfloat16
+    exact = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    for result in (got, F.linear(x, weight, bias)):
+        torch.testing.assert_close(result.float(), exact, rtol=2**-8, atol=1e-5 * in_features**0.5)
+
+
 def test_packing_puts_panels_k_major_and_pads_with_zeros():
     weight = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
     packed = pack_bfloat16(weight)
@@ -36,34 +53,42 @@ def test_packing_puts_panels_k_major_and_pads_with_zeros():
 
 def test_kernel_rejects_what_it_does_not_compute(ops):
     x, packed = torch.randn(2, 16), pack_bfloat16(torch.randn(40, 16))
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.linear_bf16_weight(x.bfloat16(), packed, 40, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.linear_bf16_weight(x.half(), packed, 40, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.linear_bf16_weight(x.bfloat16(), packed, 40, torch.zeros(40))
     with pytest.raises(RuntimeError, match="features"):
         ops.linear_bf16_weight(torch.randn(2, 15), packed, 40, None)
     with pytest.raises(RuntimeError, match="panels"):
         ops.linear_bf16_weight(x, packed, 80, None)
 
 
-def test_linear_uses_the_copy_for_few_rows_only(ops):
-    weight = bf16_exact(48, 32, seed=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_uses_the_copy_for_few_rows_only(ops, dtype):
+    weight = bf16_exact(48, 32, seed=2).to(dtype)
     copy = pack_bfloat16(weight)
-    few, many = torch.randn(DECODE_ROWS, 32), torch.randn(DECODE_ROWS + 1, 32)
+    few, many = torch.randn(DECODE_ROWS, 32, dtype=dtype), torch.randn(DECODE_ROWS + 1, 32, dtype=dtype)
     expected = ops.linear_bf16_weight(few, copy, 48, None)
     torch.testing.assert_close(linear(few, weight, None, copy), expected, rtol=0, atol=0)
     torch.testing.assert_close(linear(many, weight, None, copy), F.linear(many, weight), rtol=0, atol=0)
     torch.testing.assert_close(linear(few, weight), F.linear(few, weight), rtol=0, atol=0)
 
 
-def test_copies_go_to_the_layers_that_take_them():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copies_go_to_the_layers_that_take_them(dtype):
     class Layer(torch.nn.Module):
         decode_weight = None
 
         def __init__(self) -> None:
             super().__init__()
-            self.weight = torch.nn.Parameter(bf16_exact(8, 4, seed=3), requires_grad=False)
+            self.weight = torch.nn.Parameter(bf16_exact(8, 4, seed=3).to(dtype), requires_grad=False)
 
     model = torch.nn.Sequential(Layer(), torch.nn.Embedding(10, 4), Layer())
     added = keep_bfloat16_decode_weights(model)
     assert added == 2 * PANEL * 4 * 2  # two layers, each padded to one panel
-    assert torch.equal(model[0].decode_weight.transpose(1, 2).reshape(PANEL, 4)[:8].float(), model[0].weight)
+    assert torch.equal(model[0].decode_weight.transpose(1, 2).reshape(PANEL, 4)[:8], model[0].weight.bfloat16())
     assert not hasattr(model[1], "decode_weight")
+    model[0].decode_weight = None
+    model[0].half()
+    assert keep_bfloat16_decode_weights(model) == PANEL * 4 * 2  # the other layer only
+    assert model[0].decode_weight is None  # float16: the kernel does not take it
