@@ -1,8 +1,9 @@
-"""The linear layers' matmul on this CPU: float32 MKL (F.linear) against the
-bfloat16 weight copy, packed, that decode steps use (kernels/linear.py), for
-SmolLM2-135M's shapes and 1 to 128 rows.
+"""The linear layers' matmul on this CPU: the library GEMM (F.linear: MKL
+for float32, oneDNN for bfloat16) against the packed bfloat16 weight copy
+that decode steps use (kernels/linear.py), for SmolLM2-135M's shapes and 1
+to 128 rows, with the activations of a float32 model and of a bfloat16 one.
 
-    python -P scripts/bench_linear.py [--threads 2]
+    python -P scripts/bench_linear.py [--threads 2] [--dtype float32 bfloat16]
 """
 from __future__ import annotations
 
@@ -30,22 +31,23 @@ def milliseconds(fn, repeats: int = 50) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = cpu_kernels()
     if ops is None:
         raise SystemExit("the CPU kernels cannot be built here")
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
-    for name, (out_features, in_features) in SHAPES.items():
-        weight = torch.randn(out_features, in_features).bfloat16().float()
-        copy = pack_bfloat16(weight)
-        for rows in (1, 2, 4, 8, 16, 32, 64, 128):
-            x = torch.randn(rows, in_features)
-            fp32 = milliseconds(lambda x=x, weight=weight: F.linear(x, weight))
-            bf16 = milliseconds(lambda x=x, copy=copy, n=out_features: ops.linear_bf16_weight(x, copy, n, None))
-            print(f"{name:8s} {out_features:5d}x{in_features:4d} rows {rows:2d}: float32 {fp32:7.3f} ms   "
-                  f"bf16 copy {bf16:7.3f} ms   ({fp32 / bf16:4.2f}x)")
-
+    for dtype in (getattr(torch, name) for name in args.dtype):
+        for name, (out_features, in_features) in SHAPES.items():
+            weight = torch.randn(out_features, in_features).to(dtype)
+            copy = pack_bfloat16(weight)
+            for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+                x = torch.randn(rows, in_features, dtype=dtype)
+                library = milliseconds(lambda x=x, weight=weight: F.linear(x, weight))
+                packed = milliseconds(lambda x=x, copy=copy, n=out_features: ops.linear_bf16_weight(x, copy, n, None))
+                print(f"{str(dtype)[6:]:8s} {name:8s} {out_features:5d}x{in_features:4d} rows {rows:3d}: "
+                      f"F.linear {library:7.3f} ms   bf16 copy {packed:7.3f} ms   ({library / packed:4.2f}x)")
 
 if __name__ == "__main__":
     main()
