@@ -24,12 +24,13 @@ PANEL = 32
 """Output features per panel of a packed weight (csrc/linear_bf16_weight_cpu.cpp)."""
 
 DECODE_ROWS = 32
-"""Most rows the bfloat16 copy serves; measured with SmolLM2's shapes (scripts/bench_linear.py). Against float32 MKL, on a
-2-core AVX-512 Xeon: 1.1-4x faster from 1 to 32 rows, level at 64, 10-30 %
-slower at 128. Against oneDNN's bfloat16 GEMM, on a 2-core AVX512-BF16 EPYC
-(where the kernel multiplies bfloat16 pairs natively too): 2.5-5x faster for
-1 row, 1.2-2.4x for 8, level to 1.4x for 32, 0.8-1.1x for 64 and 0.75-0.9x
-for 128 (runs of that noisy machine differed by up to 30 %)."""
+"""Most rows the bfloat16 copy serves; measured with SmolLM2's shapes
+(scripts/bench_linear.py). Against float32 MKL, on a 2-core AVX-512 Xeon:
+1.1-4x faster from 1 to 32 rows, level at 64, 10-30 % slower at 128.
+Against oneDNN's bfloat16 GEMM, on a 2-core AVX512-BF16 EPYC (where the
+kernel multiplies bfloat16 pairs natively too): 2.5-5x faster for 1 row,
+1.2-2.4x for 8, level to 1.4x for 32, 0.8-1.1x for 64 and 0.75-0.9x for 128
+(runs of that noisy machine differed by up to 30 %)."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

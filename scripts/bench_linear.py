@@ -49,5 +49,6 @@ def main() -> None:
                 print(f"{str(dtype)[6:]:8s} {name:8s} {out_features:5d}x{in_features:4d} rows {rows:3d}: "
                       f"F.linear {library:7.3f} ms   bf16 copy {packed:7.3f} ms   ({library / packed:4.2f}x)")
 
+
 if __name__ == "__main__":
     main()

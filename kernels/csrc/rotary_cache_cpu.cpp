@@ -51,7 +51,7 @@ inline void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
 }
 
 #if FLEET_ROT_AVX512
-// 16 lanes of float32 and bfloat16 as float32 vectors; `round` is rounded<T>
+// 16 lanes of float32 and bfloat16 as float32 vectors; round16 is rounded<T>
 // (bfloat16: round to nearest even on the bits, as c10::BFloat16 does for
 // every number that is not NaN).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
