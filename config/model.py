@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fleet.config.device import cpu_has_avx512
+from fleet.config.device import cpu_computes_bfloat16, cpu_has_avx512
 from fleet.config.fields import RESOLVED, HumanInt
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -66,6 +66,13 @@ class ModelConfig:
         from_bfloat16 = not self.is_gguf and checkpoint_dtype(self.hf_config) == "bfloat16"
         exact = self.dtype == "bfloat16" or (self.dtype == "float32" and from_bfloat16)
         return exact and device == "cpu" and cpu_has_avx512()
+
+    def prepacks_prefill_weights(self, device: str) -> bool:
+        """Whether the linear weights are reordered once, at load, into
+        oneDNN's layout for steps of many rows (kernels/linear.py): for a
+        bfloat16 model on a CPU that computes bfloat16 natively, where it
+        was measured faster than F.linear."""
+        return self.dtype == "bfloat16" and device == "cpu" and cpu_computes_bfloat16()
 
     def summary(self) -> dict[str, Any]:
         """What `fleet plan` shows of the model: no weights, no full HF config."""

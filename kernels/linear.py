@@ -10,8 +10,10 @@ bfloat16 copy of each linear weight beside the model's, packed in panels
 for `csrc/linear_bf16_weight_cpu.cpp`; steps of up to DECODE_ROWS rows
 multiply it there, with float32 sums: half the bytes of float32,
 and register tiling that beats the library GEMM's call at these sizes.
-Larger steps (prefill) stay with the library GEMM (MKL for float32, oneDNN
-for bfloat16).
+Larger steps (prefill) stay with the library GEMM: MKL for float32, and
+for a bfloat16 model on a CPU with native bfloat16 oneDNN with the weight
+reordered once at load into its blocked layout (`prepack_prefill_weights`),
+which F.linear would do again on every call.
 """
 from __future__ import annotations
 
@@ -33,13 +35,20 @@ kernel multiplies bfloat16 pairs natively too): 2.5-5x faster for 1 row,
 (runs of that noisy machine differed by up to 30 %)."""
 
 
+PREFILL_ROWS_HINT = 256
+"""The step size oneDNN is told to choose the prepacked layout for."""
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            decode_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] -> [..., out]: F.linear, or the bfloat16 copy for a few rows."""
+    """x [..., in] -> [..., out]: the bfloat16 copy for a few rows, else
+    oneDNN's linear for a prepacked weight, else F.linear."""
     if decode_weight is not None and x.dim() == 2 and x.shape[0] <= DECODE_ROWS:
         ops = cpu_kernels()
         if ops is not None:
             return ops.linear_bf16_weight(x.contiguous(), decode_weight, weight.shape[0], bias)
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -62,3 +71,27 @@ def keep_bfloat16_decode_weights(model: torch.nn.Module) -> int:
             module.decode_weight = pack_bfloat16(module.weight.detach())
             added += module.decode_weight.nbytes
     return added
+
+
+def prepack_prefill_weights(model: torch.nn.Module) -> int:
+    """Replace the weight of every layer that takes a decode copy by oneDNN's
+    prepacked layout of it (same shape, mkldnn layout), which `linear` then
+    multiplies for steps of more rows: measured on a 2-core AVX512-BF16 EPYC
+    with SmolLM2, a 256-token prefill 188 -> 176 ms, outputs bit-identical.
+    Weights another module shares (an LM head tied to the embedding) stay
+    plain. Call after `keep_bfloat16_decode_weights`, which reads the plain
+    weights; returns the number of weights prepacked."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    prepacked = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "decode_weight") and weight is not None and uses.get(id(weight)) == 1:
+            module.weight = torch.nn.Parameter(
+                torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREFILL_ROWS_HINT), requires_grad=False
+            )
+            prepacked += 1
+    return prepacked

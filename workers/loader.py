@@ -16,7 +16,7 @@ from torch import nn
 
 from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
-from fleet.kernels.linear import keep_bfloat16_decode_weights
+from fleet.kernels.linear import keep_bfloat16_decode_weights, prepack_prefill_weights
 from fleet.workers.models.registry import get_model_class
 
 # llama.cpp tensor names -> HF names (per layer: blk.N.<part> -> model.layers.N.<module>)
@@ -48,8 +48,11 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, dtype: torch.
     else:
         path = model_config.model_path or model_config.model
         model.load_weights(iterate_weights(path, load_config.load_format, dtype))
-    if model_config.keeps_bfloat16_decode_weights(torch.device(device).type):
+    device_type = torch.device(device).type
+    if model_config.keeps_bfloat16_decode_weights(device_type):
         keep_bfloat16_decode_weights(model)
+    if model_config.prepacks_prefill_weights(device_type):
+        prepack_prefill_weights(model)
     return model.eval()
 
 

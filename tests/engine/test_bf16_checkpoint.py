@@ -9,7 +9,7 @@ import torch
 
 import fleet
 from fleet import SamplingParams
-from fleet.config.device import cpu_has_avx512
+from fleet.config.device import cpu_computes_bfloat16, cpu_has_avx512
 from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
 from fleet.config.model_files import read_hf_config
@@ -18,12 +18,15 @@ from fleet.tests.engine.oracle import greedy, hf_model
 from fleet.workers.loader import load_model
 
 
-def loaded_layers_with_copies(model_dir: str, dtype: str = "float32") -> tuple[int, int]:
+def load(model_dir: str, dtype: str) -> torch.nn.Module:
     hf_config = read_hf_config(model_dir)
     config = ModelConfig(model=model_dir, model_path=model_dir, architecture=hf_config["architectures"][0],
                          hf_config=hf_config, dtype=dtype)
-    model = load_model(config, LoadConfig(), getattr(torch, dtype), torch.device("cpu"))
-    takers = [m for m in model.modules() if hasattr(m, "decode_weight")]
+    return load_model(config, LoadConfig(), getattr(torch, dtype), torch.device("cpu"))
+
+
+def loaded_layers_with_copies(model_dir: str, dtype: str = "float32") -> tuple[int, int]:
+    takers = [m for m in load(model_dir, dtype).modules() if hasattr(m, "decode_weight")]
     return len(takers), sum(m.decode_weight is not None for m in takers)
 
 
@@ -37,6 +40,15 @@ def test_only_a_bfloat16_checkpoint_gets_copies(tiny_bf16_qwen2_dir, tiny_qwen2_
 def test_a_bfloat16_model_gets_copies_of_any_checkpoint(tiny_qwen2_dir):
     takers, copies = loaded_layers_with_copies(tiny_qwen2_dir, "bfloat16")
     assert takers > 0 and copies == (takers if cpu_has_avx512() else 0)
+
+
+def test_a_bfloat16_model_on_a_native_bfloat16_cpu_prepacks_all_but_the_tied_head(tiny_bf16_qwen2_dir):
+    model = load(tiny_bf16_qwen2_dir, "bfloat16")
+    takers = [m for m in model.modules() if hasattr(m, "decode_weight")]
+    prepacked = [m for m in takers if m.weight.is_mkldnn]
+    assert len(prepacked) == (len(takers) - 1 if cpu_computes_bfloat16() else 0)
+    assert not model.model.embed_tokens.weight.is_mkldnn  # shared with the LM head
+    assert not load(tiny_bf16_qwen2_dir, "float32").model.layers["0"].mlp.down_proj.weight.is_mkldnn
 
 
 @pytest.mark.slow

@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fleet.kernels.linear import DECODE_ROWS, PANEL, keep_bfloat16_decode_weights, linear, pack_bfloat16
+from fleet.kernels.linear import (
+    DECODE_ROWS,
+    PANEL,
+    keep_bfloat16_decode_weights,
+    linear,
+    pack_bfloat16,
+    prepack_prefill_weights,
+)
 
 
 def bf16_exact(*shape: int, seed: int) -> torch.Tensor:
@@ -92,3 +99,32 @@ def test_copies_go_to_the_layers_that_take_them(dtype):
     model[0].half()
     assert keep_bfloat16_decode_weights(model) == PANEL * 4 * 2  # the other layer only
     assert model[0].decode_weight is None  # float16: the kernel does not take it
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_prepacked_weights_serve_steps_of_many_rows_and_shared_weights_stay_plain(ops):
+    class Layer(torch.nn.Module):
+        decode_weight = None
+
+        def __init__(self, weight: torch.nn.Parameter) -> None:
+            super().__init__()
+            self.weight = weight
+
+    def bf16_parameter(seed: int) -> torch.nn.Parameter:
+        return torch.nn.Parameter(bf16_exact(48, 32, seed=seed).bfloat16(), requires_grad=False)
+
+    embedding = torch.nn.Embedding(48, 32).bfloat16()
+    model = torch.nn.Sequential(Layer(bf16_parameter(4)), embedding, Layer(embedding.weight))
+    plain = model[0].weight.detach().clone()
+    keep_bfloat16_decode_weights(model)
+    assert prepack_prefill_weights(model) == 1
+    assert model[0].weight.is_mkldnn and model[0].weight.shape == plain.shape
+    assert not model[2].weight.is_mkldnn  # the embedding's: F.embedding needs it plain
+    bias = torch.randn(48).bfloat16()
+    for rows in (DECODE_ROWS + 1, 300):
+        x = torch.randn(rows, 32, dtype=torch.bfloat16)
+        got = linear(x, model[0].weight, bias, model[0].decode_weight)
+        torch.testing.assert_close(got, F.linear(x, plain, bias), rtol=2**-8, atol=1e-3)
+    few = torch.randn(3, 32, dtype=torch.bfloat16)  # the decode copy, whatever the weight's layout
+    torch.testing.assert_close(linear(few, model[0].weight, None, model[0].decode_weight),
+                               ops.linear_bf16_weight(few, model[0].decode_weight, 48, None), rtol=0, atol=0)
