@@ -17,6 +17,8 @@ which F.linear would do again on every call.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 
@@ -83,13 +85,11 @@ def prepack_prefill_weights(model: torch.nn.Module) -> int:
     weights; returns the number of weights prepacked."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    uses: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[id(param)] = uses.get(id(param), 0) + 1
+    uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
     prepacked = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "decode_weight") and weight is not None and uses.get(id(weight)) == 1:
+        if hasattr(module, "decode_weight") and weight is not None and uses[id(weight)] == 1:
             module.weight = torch.nn.Parameter(
                 torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREFILL_ROWS_HINT), requires_grad=False
             )
