@@ -38,8 +38,8 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "simd_convert.h"
 #define FLEET_LIN_AVX512 1
 #endif
 #if FLEET_LIN_AVX512 && defined(__AVX512BF16__)
@@ -58,14 +58,26 @@ inline float widen(uint16_t bits) {
   return value;
 }
 
-// out[m][j] for MR rows of x (rows of length K, stride K) and one panel;
-// `valid` output features of the panel are stored, plus bias.
 #if FLEET_LIN_AVX512
 inline __m512 widen16(const uint16_t* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// y[m][0, valid) = acc[m] + bias for MR rows; Out is float or at::BFloat16.
+template <int MR, typename Out>
+inline void store_panel(const __m512 (&acc)[MR][2], const Out* bias, Out* y, int64_t ldy, int64_t valid) {
+  const __mmask16 mask0 = tail_mask(valid), mask1 = tail_mask(valid - 16);
+  const __m512 b0 = bias ? load16(bias, mask0) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? load16(bias + 16, mask1) : _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    store16(y + m * ldy, _mm512_add_ps(acc[m][0], b0), mask0);
+    store16(y + m * ldy + 16, _mm512_add_ps(acc[m][1], b1), mask1);
+  }
+}
+
+// out[m][j] for MR rows of x (rows of length K, stride K) and one panel;
+// `valid` output features of the panel are stored, plus bias.
 template <int MR>
 void panel_rows(const float* x, int64_t K, const uint16_t* panel, const float* bias, float* y, int64_t ldy,
                 int64_t valid) {
@@ -79,16 +91,11 @@ void panel_rows(const float* x, int64_t K, const uint16_t* panel, const float* b
       acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
     }
   }
-  const __mmask16 mask0 = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-  const __mmask16 mask1 = valid >= 32 ? __mmask16(0xFFFF) : valid <= 16 ? __mmask16(0) : __mmask16((1u << (valid - 16)) - 1);
-  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(mask1, bias + 16) : _mm512_setzero_ps();
-  for (int m = 0; m < MR; ++m) {
-    _mm512_mask_storeu_ps(y + m * ldy, mask0, _mm512_add_ps(acc[m][0], b0));
-    _mm512_mask_storeu_ps(y + m * ldy + 16, mask1, _mm512_add_ps(acc[m][1], b1));
-  }
+  store_panel<MR>(acc, bias, y, ldy, valid);
 }
 #else
+// out[m][j] for MR rows of x (rows of length K, stride K) and one panel;
+// `valid` output features of the panel are stored, plus bias.
 template <int MR>
 void panel_rows(const float* x, int64_t K, const uint16_t* panel, const float* bias, float* y, int64_t ldy,
                 int64_t valid) {
@@ -113,14 +120,16 @@ inline __m512i pair_index(int half) {
   return _mm512_load_si512(index);
 }
 
-inline uint32_t x_pair(const uint16_t* row, int64_t k, int64_t K) {
-  return k + 1 < K ? (uint32_t(row[k + 1]) << 16) | row[k] : uint32_t(row[k]);
+// (x[k], x[k + 1]) as one 32-bit word (x[k + 1] = 0 past the row's end).
+inline uint32_t x_pair(const at::BFloat16* row, int64_t k, int64_t K) {
+  const uint32_t low = row[k].x, high = k + 1 < K ? row[k + 1].x : 0;
+  return (high << 16) | low;
 }
 
 // As panel_rows, for bfloat16 x (rows of length K, stride K) and y.
 template <int MR>
-void panel_rows_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, const uint16_t* bias, uint16_t* y,
-                     int64_t ldy, int64_t valid) {
+void panel_rows_bf16(const at::BFloat16* x, int64_t K, const uint16_t* panel, const at::BFloat16* bias,
+                     at::BFloat16* y, int64_t ldy, int64_t valid) {
   const __m512i first = pair_index(0), second = pair_index(1);
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -135,21 +144,11 @@ void panel_rows_bf16(const uint16_t* x, int64_t K, const uint16_t* panel, const 
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xv);
     }
   }
-  const __mmask16 mask0 = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-  const __mmask16 mask1 = valid >= 32 ? __mmask16(0xFFFF) : valid <= 16 ? __mmask16(0) : __mmask16((1u << (valid - 16)) - 1);
-  auto widen_bias = [&](__mmask16 mask, int64_t offset) {
-    if (!bias) return _mm512_setzero_ps();
-    const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + offset);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  };
-  const __m512 b0 = widen_bias(mask0, 0), b1 = widen_bias(mask1, 16);
-  for (int m = 0; m < MR; ++m) {
-    _mm256_mask_storeu_epi16(y + m * ldy, mask0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0)));
-    _mm256_mask_storeu_epi16(y + m * ldy + 16, mask1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1)));
-  }
+  store_panel<MR>(acc, bias, y, ldy, valid);
 }
 
-using PanelRowsBf16 = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t);
+using PanelRowsBf16 = void (*)(const at::BFloat16*, int64_t, const uint16_t*, const at::BFloat16*, at::BFloat16*,
+                               int64_t, int64_t);
 constexpr PanelRowsBf16 PANEL_ROWS_BF16[ROWS + 1] = {
     nullptr, panel_rows_bf16<1>, panel_rows_bf16<2>, panel_rows_bf16<3>, panel_rows_bf16<4>,
     panel_rows_bf16<5>, panel_rows_bf16<6>, panel_rows_bf16<7>, panel_rows_bf16<8>};
@@ -169,8 +168,8 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
               " output features do not fill ", panels, " panels of ", PANEL);
 }
 
-// y = x W^T (+ b), one task per panel: Scalar is float (float32) or
-// uint16_t (bfloat16 bits), kernels the matching PANEL_ROWS table.
+// y = x W^T (+ b), one task per panel: Scalar is float or at::BFloat16,
+// kernels the matching PANEL_ROWS table.
 template <typename Scalar, typename Kernel>
 at::Tensor multiply_panels(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                            const std::optional<at::Tensor>& bias, const Kernel* kernels) {
@@ -203,7 +202,7 @@ at::Tensor linear_bf16_weight(const at::Tensor& x, const at::Tensor& packed, int
               "bias: contiguous [N] in x's dtype");
   if (dtype == at::kFloat) return multiply_panels<float>(x, packed, out_features, bias, PANEL_ROWS);
 #if FLEET_LIN_AVX512_BF16
-  return multiply_panels<uint16_t>(x, packed, out_features, bias, PANEL_ROWS_BF16);
+  return multiply_panels<at::BFloat16>(x, packed, out_features, bias, PANEL_ROWS_BF16);
 #else
   std::optional<at::Tensor> bias_float;
   if (has_bias) bias_float = bias->to(at::kFloat);

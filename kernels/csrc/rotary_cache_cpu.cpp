@@ -25,8 +25,8 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "simd_convert.h"
 #define FLEET_ROT_AVX512 1
 #endif
 
@@ -51,47 +51,27 @@ inline void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
 }
 
 #if FLEET_ROT_AVX512
-// 16 lanes of float32 and bfloat16 as float32 vectors; round16 is rounded<T>
-// (bfloat16: round to nearest even on the bits, as c10::BFloat16 does for
-// every number that is not NaN).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512i bfloat16_bits(__m512 v) {  // rounded, in the top half of each lane
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-}
-inline __m512 round16(__m512 v, float*) { return v; }
-inline __m512 round16(__m512 v, c10::BFloat16*) {
-  return _mm512_castsi512_ps(_mm512_and_si512(bfloat16_bits(v), _mm512_set1_epi32(int(0xFFFF0000u))));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-  const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bfloat16_bits(v), 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
-}
-
 // rotate_head, 16 pairs at a time (half a multiple of 16); the same roundings.
 template <typename T>
 inline void rotate_head16(T* x, const T* cos, const T* sin, int64_t half) {
+  const __mmask16 all = tail_mask(16);
   for (int64_t i = 0; i < half; i += 16) {
-    const __m512 x1 = load16(x + i), x2 = load16(x + i + half), c = load16(cos + i), s = load16(sin + i);
-    const __m512 x1c = round16(_mm512_mul_ps(x1, c), x), x2s = round16(_mm512_mul_ps(x2, s), x);
-    const __m512 x2c = round16(_mm512_mul_ps(x2, c), x), x1s = round16(_mm512_mul_ps(x1, s), x);
-    store16(x + i, _mm512_sub_ps(x1c, x2s));
-    store16(x + i + half, _mm512_add_ps(x2c, x1s));
+    const __m512 x1 = load16(x + i, all), x2 = load16(x + i + half, all);
+    const __m512 c = load16(cos + i, all), s = load16(sin + i, all);
+    const __m512 x1c = round_to<T>(_mm512_mul_ps(x1, c)), x2s = round_to<T>(_mm512_mul_ps(x2, s));
+    const __m512 x2c = round_to<T>(_mm512_mul_ps(x2, c)), x1s = round_to<T>(_mm512_mul_ps(x1, s));
+    store16(x + i, _mm512_sub_ps(x1c, x2s), all);
+    store16(x + i + half, _mm512_add_ps(x2c, x1s), all);
   }
 }
 #endif
 
-// One head, vectorised where the dtype and width allow.
+// One head, vectorised where the width allows (float64, which the dispatch
+// refuses at run time but compiles, stays scalar).
 template <typename T>
 inline void rotate(T* x, const T* cos, const T* sin, int64_t half) {
 #if FLEET_ROT_AVX512
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (!std::is_same_v<T, double>) {
     if (half % 16 == 0) return rotate_head16(x, cos, sin, half);
   }
 #endif
