@@ -4,10 +4,13 @@
    sequences x 320 tokens of context) with the default model's shapes
    (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, bf16), one KV cache
    per layer as in the model, so the KV is read from memory, not from cache;
-2. a whole model step (forward + logits) of the default model with dummy
+2. prefill attention per layer: one whole prompt of each --prefill-lengths
+   (the fused kernel's tiles of query tokens, against causal SDPA);
+3. a whole model step (forward + logits) of the default model with dummy
    weights, for that decode batch and for a prefill batch.
 
     python scripts/bench_attention.py [--batch 64] [--context 320] [--threads 2] [--shuffle-blocks]
+                                      [--prefill-lengths 256 2048]
 """
 from __future__ import annotations
 
@@ -74,6 +77,23 @@ def bench_layer(args, num_layers: int, num_heads: int, num_kv_heads: int, head_d
         print(f"  {path:6s} {ms:7.3f} ms/layer  ({kv_mb / ms:5.1f} GB/s of KV)")
 
 
+def bench_prefill_layer(args, num_heads: int, num_kv_heads: int, head_dim: int, length: int) -> None:
+    dtype, bs = torch.bfloat16, args.block_size
+    tables, num_blocks = block_tables([length], bs, args.shuffle_blocks)
+    meta = AttentionMetadata.build([length], [length], tables, bs)
+    cache = torch.randn(2, num_blocks, bs, num_kv_heads, head_dim).to(dtype)
+    q = torch.randn(length, num_heads, head_dim).to(dtype)
+    k = torch.randn(length, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(length, num_kv_heads, head_dim).to(dtype)
+    # Causal: each of the H heads scores and sums half the length^2 pairs.
+    gflop = 2 * 2 * num_heads * head_dim * length * (length + 1) / 2 / 1e9
+    print(f"prefill attention per layer: one prompt of {length} tokens, bf16")
+    for path, enabled in PATHS.items():
+        set_cpu_kernels_enabled(enabled)
+        ms = best_ms(lambda: paged_attention(q, k, v, cache, meta, head_dim**-0.5), repeats=2 if length > 512 else 10)
+        print(f"  {path:6s} {ms:8.2f} ms/layer  ({gflop / ms * 1e3:6.1f} GFLOP/s)")
+
+
 def bench_step(args, model, label: str, query_lens: list[int], seq_lens: list[int]) -> None:
     bs = args.block_size
     tables, num_blocks = block_tables(seq_lens, bs, args.shuffle_blocks)
@@ -101,6 +121,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shuffle-blocks", action="store_true", help="scatter each sequence's blocks")
+    parser.add_argument("--prefill-lengths", type=int, nargs="*", default=[256, 2048])
     parser.add_argument("--prefill", type=str, default="4x256", help="prefill batch: SEQS x TOKENS ('' to skip)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -116,6 +137,8 @@ def main() -> None:
     num_heads = next(iter(model.model.layers.values())).self_attn.num_heads
     with torch.inference_mode():
         bench_layer(args, model.num_layers, num_heads, model.num_kv_heads, model.head_dim)
+        for length in args.prefill_lengths:
+            bench_prefill_layer(args, num_heads, model.num_kv_heads, model.head_dim, length)
         bench_step(args, model, f"decode {args.batch} x context {args.context}",
                    [1] * args.batch, [args.context] * args.batch)
         if args.prefill:

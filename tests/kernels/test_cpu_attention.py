@@ -118,6 +118,54 @@ def test_rows_with_seq_index(ops) -> None:
         torch.testing.assert_close(fused[row : row + 1].double(), expected, atol=1e-5, rtol=1e-5)
 
 
+
+# (context, new tokens) per sequence: prefill chunks long enough to be cut into
+# tiles of query tokens (48 // group each), with a short tail, cached context
+# that ends mid-block, and a decode between them.
+PREFILL_CHUNKS = [(0, 70), (37, 50), (5, 1), (100, 19), (0, 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 64, 32), (8, 2, 128, 16), (16, 2, 80, 1), (14, 2, 64, 16)])
+def test_prefill_tiles_match_float64_and_per_row_attention(ops, dtype: torch.dtype, num_heads: int,
+                                                           num_kv_heads: int, head_dim: int,
+                                                           block_size: int) -> None:
+    """Rows of one sequence that follow each other are attended in tiles of
+    query tokens; the same rows given one table row each take the per-row
+    kernel. Both must match the float64 reference and each other."""
+    totals = [c + n for c, n in PREFILL_CHUNKS]
+    cache = PagedCache(totals, num_kv_heads, head_dim, block_size, dtype, seed=13)
+    meta = AttentionMetadata.build([n for _, n in PREFILL_CHUNKS], totals, cache.tables, block_size)
+    seq_index, kv_lens = meta._token_rows
+    query = torch.randn(len(kv_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(14)).to(dtype)
+    scale = head_dim**-0.5
+    tiled = ops.paged_attention(query, cache.kv_cache, meta.block_tables, kv_lens, scale, seq_index)
+    per_row = ops.paged_attention(query, cache.kv_cache, meta.block_tables[seq_index.long()].contiguous(),
+                                  kv_lens, scale)
+    reference = torch.cat([
+        dense_reference(query[row : row + 1], *cache.keys_values(seq, n), [n], scale)
+        for row, (seq, n) in enumerate(zip(seq_index.tolist(), kv_lens.tolist(), strict=True))
+    ])
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(tiled.double(), reference, atol=tol, rtol=tol)
+    torch.testing.assert_close(tiled.double(), per_row.double(), atol=tol, rtol=tol)
+
+
+def test_prefill_tiles_keep_rows_with_nothing_to_see_at_zero(ops) -> None:
+    """A row with kv_len 0 inside a tile gets zeros, as in the per-row kernel;
+    its neighbours are unaffected."""
+    cache, meta, _, scale, _ = decode_case([64], 9, 3, 64, 16, torch.float32, seed=17)
+    kv_lens = torch.arange(16, dtype=torch.int32) * 4  # 0, 4, ..., 60
+    query = torch.randn(16, 9, 64, generator=torch.Generator().manual_seed(18))
+    seq_index = torch.zeros(16, dtype=torch.int32)
+    out = ops.paged_attention(query, cache.kv_cache, meta.block_tables, kv_lens, scale, seq_index)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    for row in range(1, 16):
+        n = int(kv_lens[row])
+        expected = dense_reference(query[row : row + 1], *cache.keys_values(0, n), [n], scale)
+        torch.testing.assert_close(out[row : row + 1].double(), expected, atol=1e-5, rtol=1e-5)
+
 def test_rejects_out_of_range_blocks_and_lengths(ops) -> None:
     cache, meta, query, scale, _ = decode_case([10, 20], 4, 2, 64, 16, torch.float32)
     bad_tables = meta.block_tables.clone()
