@@ -27,14 +27,13 @@ from fleet.kernels.cpu_extension import cpu_kernels
 PANEL = 32
 """Output features per panel of a packed weight (csrc/linear_bf16_weight_cpu.cpp)."""
 
-DECODE_ROWS = 32
+DECODE_ROWS = 64
 """Most rows the bfloat16 copy serves; measured with SmolLM2's shapes
-(scripts/bench_linear.py). Against float32 MKL, on a 2-core AVX-512 Xeon:
-1.1-4x faster from 1 to 32 rows, level at 64, 10-30 % slower at 128.
-Against oneDNN's bfloat16 GEMM, on a 2-core AVX512-BF16 EPYC (where the
-kernel multiplies bfloat16 pairs natively too): 2.5-5x faster for 1 row,
-1.2-2.4x for 8, level to 1.4x for 32, 0.8-1.1x for 64 and 0.75-0.9x for 128
-(runs of that noisy machine differed by up to 30 %)."""
+(`python -P scripts/bench_linear.py`) on a 2-core AVX512-BF16 EPYC, where
+the kernel multiplies bfloat16 pairs natively: against oneDNN's prepacked
+bfloat16 linear 1.0-1.5x faster from 16 to 64 rows, 0.92-1.04x at 128;
+against float32 MKL 1.25-2.7x faster at 32 and 64 rows. (Runs of that
+noisy machine differed by up to 30 %; compare columns of one run.)"""
 
 
 PREFILL_ROWS_HINT = 256

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fleet.kernels.cpu_extension import cpu_kernels
-from fleet.kernels.linear import pack_bfloat16
+from fleet.kernels.linear import PREFILL_ROWS_HINT, pack_bfloat16
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "o": (576, 576), "lm_head": (49152, 576)}
 
@@ -42,12 +42,20 @@ def main() -> None:
         for name, (out_features, in_features) in SHAPES.items():
             weight = torch.randn(out_features, in_features).to(dtype)
             copy = pack_bfloat16(weight)
+            # What steps above DECODE_ROWS use for a bfloat16 model (kernels/linear.py).
+            prepacked = (torch.ops.mkldnn._reorder_linear_weight(weight, PREFILL_ROWS_HINT)
+                         if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() else None)
             for rows in (1, 2, 4, 8, 16, 32, 64, 128):
                 x = torch.randn(rows, in_features, dtype=dtype)
                 library = milliseconds(lambda x=x, weight=weight: F.linear(x, weight))
                 packed = milliseconds(lambda x=x, copy=copy, n=out_features: ops.linear_bf16_weight(x, copy, n, None))
-                print(f"{str(dtype)[6:]:8s} {name:8s} {out_features:5d}x{in_features:4d} rows {rows:3d}: "
-                      f"F.linear {library:7.3f} ms   bf16 copy {packed:7.3f} ms   ({library / packed:4.2f}x)")
+                line = (f"{str(dtype)[6:]:8s} {name:8s} {out_features:5d}x{in_features:4d} rows {rows:3d}: "
+                        f"F.linear {library:7.3f} ms   bf16 copy {packed:7.3f} ms   ({library / packed:4.2f}x)")
+                if prepacked is not None:
+                    onednn = milliseconds(lambda x=x, w=prepacked: torch.ops.mkldnn._linear_pointwise(
+                        x, w, None, "none", [], ""))
+                    line += f"   oneDNN prepacked {onednn:7.3f} ms   ({onednn / packed:4.2f}x)"
+                print(line)
 
 
 if __name__ == "__main__":

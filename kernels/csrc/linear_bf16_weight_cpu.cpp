@@ -139,7 +139,14 @@ void panel_rows_bf16(const at::BFloat16* x, int64_t K, const uint16_t* panel, co
     const __m512bh w0 = (__m512bh)_mm512_permutex2var_epi16(line0, first, line1);
     const __m512bh w1 = (__m512bh)_mm512_permutex2var_epi16(line0, second, line1);
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(x_pair(x + m * K, k, K)));
+      // A whole pair is broadcast straight from memory (no scalar assembly).
+      int32_t pair;
+      if (k + 1 < K) {
+        std::memcpy(&pair, x + m * K + k, sizeof(pair));
+      } else {
+        pair = int32_t(x_pair(x + m * K, k, K));
+      }
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xv);
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xv);
     }

@@ -34,7 +34,7 @@ def test_kernel_matches_float32_matmul(ops, rows, out_features, in_features, wit
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5 * in_features**0.5)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
 @pytest.mark.parametrize("out_features,in_features", [(64, 64), (130, 37), (96, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bfloat16_activations_match_bfloat16_matmul(ops, rows, out_features, in_features, with_bias):
