@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
 import msgspec
 import zmq
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import ipc, serial
+from fleet.core import ipc, processes, serial
 from fleet.core.messages import (
     CoordinatorInput,
     EngineLoad,
     EngineLoads,
     Ready,
-    StartupFailed,
     StepDecision,
     StepVote,
     WaveWakeUp,
@@ -152,17 +150,13 @@ def _ms_until(deadline: float) -> int:
 
 
 def main() -> None:
-    name = sys.argv[sys.argv.index("--name") + 1]
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
-    ipc.die_with_parent()
-    info = ipc.read_startup_info(CoordinatorStartupInfo)
-    try:
-        coordinator = Coordinator(info.config, info.addresses)
-    except Exception as error:
-        logger.exception("%s failed to start", name)
-        ipc.report(info.handshake_address, StartupFailed(name, os.getpid(), f"{type(error).__name__}: {error}"))
-        sys.exit(1)
-    ipc.report(info.handshake_address, Ready(name, os.getpid(), addresses={"store_port": str(coordinator.store_port)}))
+    processes.child_main(CoordinatorStartupInfo, run_coordinator)
+
+
+def run_coordinator(name: str, info: CoordinatorStartupInfo) -> None:
+    coordinator = processes.start_or_report(name, info.handshake_address,
+                                            lambda: Coordinator(info.config, info.addresses))
+    processes.report(info.handshake_address, Ready(name, os.getpid(), addresses={"store_port": str(coordinator.store_port)}))
     coordinator.run()
 
 

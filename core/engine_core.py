@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import ipc, serial
+from fleet.core import ipc, processes, serial
 from fleet.core.dp_coordinator import CoordinatorAddresses
 from fleet.core.messages import (
     Abort,
@@ -33,7 +33,6 @@ from fleet.core.messages import (
     ModelRunnerOutput,
     Ready,
     Shutdown,
-    StartupFailed,
     StepDecision,
     StepVote,
     UtilityCall,
@@ -181,14 +180,11 @@ class EngineCoreProcess:
         self.last_load: EngineLoad | None = None
 
     def run(self) -> None:
-        try:
-            self.engine = EngineCore(self.info.config, self.info.dp_rank)
-        except Exception as error:
-            logger.exception("%s failed to start", self.name)
-            ipc.report(self.info.handshake_address, StartupFailed(self.name, os.getpid(), f"{type(error).__name__}: {error}"))
-            sys.exit(1)
+        self.engine = processes.start_or_report(
+            self.name, self.info.handshake_address, lambda: EngineCore(self.info.config, self.info.dp_rank)
+        )
         self._start_io_threads()
-        ipc.report(self.info.handshake_address, Ready(self.name, os.getpid(), kv_capacity=self.engine.kv_capacity))
+        processes.report(self.info.handshake_address, Ready(self.name, os.getpid(), kv_capacity=self.engine.kv_capacity))
         try:
             self._lockstep_loop() if self.info.config.parallel.replicas_step_together else self._busy_loop()
         except Exception as error:
@@ -353,11 +349,7 @@ class EngineCoreProcess:
 
 
 def main() -> None:
-    name = sys.argv[sys.argv.index("--name") + 1]
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
-    ipc.die_with_parent()
-    info = ipc.read_startup_info(EngineCoreStartupInfo)
-    EngineCoreProcess(name, info).run()
+    processes.child_main(EngineCoreStartupInfo, lambda name, info: EngineCoreProcess(name, info).run())
 
 
 if __name__ == "__main__":

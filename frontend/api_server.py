@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import socket
-import sys
 from http import HTTPStatus
 
 import msgspec
@@ -23,8 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import fleet
 from fleet.config.fleet import FleetConfig
-from fleet.core import ipc
-from fleet.core.messages import Ready, StartupFailed
+from fleet.core import processes
+from fleet.core.messages import Ready
 from fleet.core.sampling_params import InvalidParameter
 from fleet.frontend.async_engine import AsyncEngine, ServerStopping
 from fleet.frontend.engine_client import ClientAddresses, EngineDeadError
@@ -237,16 +236,15 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
 
     from fleet.frontend.tokenizer import load_tokenizer
 
-    try:
-        config = info.config
+    config = info.config
+
+    def build() -> tuple[AsyncEngine, FastAPI]:
         metrics = Metrics(config.model.served_model_name[0] if config.model.served_model_name else config.model.model)
         engine = AsyncEngine(config, load_tokenizer(config.model), info.index, info.addresses, metrics, info.load_address)
         engine.connect(info.num_engines)
-        app = build_app(engine, config)
-    except Exception as error:
-        logger.exception("%s failed to start", name)
-        ipc.report(info.handshake_address, StartupFailed(name, os.getpid(), f"{type(error).__name__}: {error}"))
-        sys.exit(1)
+        return engine, build_app(engine, config)
+
+    engine, app = processes.start_or_report(name, info.handshake_address, build)
     drain = config.frontend.shutdown_timeout
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.frontend.uvicorn_log_level,
                                            timeout_graceful_shutdown=drain))
@@ -257,7 +255,7 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            ipc.report(info.handshake_address, Ready(name, os.getpid()))
+            processes.report(info.handshake_address, Ready(name, os.getpid()))
         cutter = asyncio.create_task(_stop_unfinished_at_drain_end(server, engine, drain))
         await task
         cutter.cancel()
@@ -297,10 +295,7 @@ def inherited_listener(fd: int) -> socket.socket:
 
 
 def main() -> None:
-    name = sys.argv[sys.argv.index("--name") + 1]
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
-    ipc.die_with_parent()
-    run_api_server(name, ipc.read_startup_info(APIServerStartupInfo))
+    processes.child_main(APIServerStartupInfo, run_api_server)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import ipc, serial
+from fleet.core import ipc, processes, serial
 from fleet.core.messages import (
     Abort,
     EngineCoreOutputs,
@@ -82,8 +82,8 @@ class EngineClient:
             self.loads = ipc.make_socket(self.ctx, zmq.SUB, connect=load_address)
             self.loads.setsockopt(zmq.SUBSCRIBE, b"")
         self.on_loads = on_loads
-        self.engines: list[ipc.ChildProcess] = []
-        self.foreign_engines: list[ipc.ForeignProcess] = []
+        self.engines: list[processes.ChildProcess] = []
+        self.foreign_engines: list[processes.ForeignProcess] = []
         self.engine_identities: list[bytes] = []
         self.kv_capacity: KVCapacity | None = None
         self.dead_reason: str | None = None
@@ -100,7 +100,7 @@ class EngineClient:
         """Spawn this node's engine cores and wait for Ready from each (one deadline)."""
         from fleet.core.engine_core import EngineCoreStartupInfo
 
-        handshake = ipc.HandshakeListener(self.ctx)
+        handshake = processes.HandshakeListener(self.ctx)
         try:
             for dp_rank in node_engine_ranks(self.config.parallel):
                 info = EngineCoreStartupInfo(
@@ -110,7 +110,7 @@ class EngineClient:
                     input_addresses=[self.requests.getsockopt_string(zmq.LAST_ENDPOINT)],
                     output_addresses=[self.outputs.getsockopt_string(zmq.LAST_ENDPOINT)],
                 )
-                self.engines.append(ipc.spawn("fleet.core.engine_core", f"fleet-engine-dp{dp_rank}", info))
+                self.engines.append(processes.spawn("fleet.core.engine_core", f"fleet-engine-dp{dp_rank}", info))
             ready = handshake.wait_all(self.engines, self.config.parallel.distributed_timeout_seconds)
         except Exception:
             handshake.close()
@@ -137,7 +137,7 @@ class EngineClient:
             identity, hello = self.requests.recv_multipart()
             self.engine_identities.append(identity)
             if not self.engines and int(hello):  # not our children: watch them by the pid they said hello with
-                self.foreign_engines.append(ipc.ForeignProcess(f"fleet-engine-dp{int.from_bytes(identity, 'little')}", int(hello)))
+                self.foreign_engines.append(processes.ForeignProcess(f"fleet-engine-dp{int.from_bytes(identity, 'little')}", int(hello)))
         self.engine_identities.sort()
 
     # ---- requests -------------------------------------------------------------------------
@@ -223,7 +223,7 @@ class EngineClient:
                 self.requests.send_multipart([identity, serial.encode(Shutdown("client shutting down"))], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        ipc.stop_all(self.engines, timeout)
+        processes.stop_all(self.engines, timeout)
         self._closed.set()
         if self._output_thread is not None:
             self._output_thread.join()

@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import ipc
+from fleet.core import processes
 from fleet.core.dp_coordinator import CoordinatorAddresses, CoordinatorStartupInfo
 from fleet.core.engine_core import EngineCoreStartupInfo
 from fleet.frontend.api_server import APIServerStartupInfo, listening_socket
@@ -39,7 +39,7 @@ SUPERVISE_INTERVAL_S = 0.2
 class Launcher:
     def __init__(self, config: FleetConfig):
         self.config = config
-        self.children: list[ipc.ChildProcess] = []
+        self.children: list[processes.ChildProcess] = []
         self.stop_requested: str | None = None
         self.url = "(headless: no HTTP)"
         self.job: JobStore | None = None
@@ -53,7 +53,7 @@ class Launcher:
         start = time.monotonic()
         try:
             self._start()
-        except (ipc.ChildFailed, ipc.StartupTimeout, ipc.NodeMissing, OSError) as error:
+        except (processes.ChildFailed, processes.StartupTimeout, processes.NodeMissing, OSError) as error:
             logger.error("start-up failed: %s", error)
             if self.job is not None:
                 self.job.report_failure(f"start-up failed: {error}")
@@ -72,7 +72,7 @@ class Launcher:
         ctx = zmq.Context()
         # Engine actors placed by Ray may run on another machine: they report over TCP.
         ray_engines = self.config.parallel.data_parallel_backend == "ray"
-        handshake = ipc.HandshakeListener(ctx, self.config.parallel.data_parallel_address if ray_engines else None)
+        handshake = processes.HandshakeListener(ctx, self.config.parallel.data_parallel_address if ray_engines else None)
         try:
             coordinator = self._start_coordinator(handshake) if runs_dp_coordinator(self.config.parallel) else None
             self._start_api_servers_and_engines(handshake, coordinator)
@@ -112,12 +112,12 @@ class Launcher:
         logger.info("Ray cluster at %s (%s)", resolved, "joined" if address else "started for this launch")
         self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(parallel, ray_address=resolved))
 
-    def _start_coordinator(self, handshake: ipc.HandshakeListener) -> CoordinatorAddresses:
+    def _start_coordinator(self, handshake: processes.HandshakeListener) -> CoordinatorAddresses:
         """Start the DP coordinator first: engines and API servers need its
         addresses, and lock-step workers the port of the store it hosts."""
         addresses = coordinator_addresses(self.config.parallel)
         info = CoordinatorStartupInfo(self.config, handshake.address, addresses)
-        child = ipc.spawn("fleet.core.dp_coordinator", "fleet-dp-coordinator", info)
+        child = processes.spawn("fleet.core.dp_coordinator", "fleet-dp-coordinator", info)
         self.children.append(child)
         ready = handshake.wait_all([child], self.config.parallel.distributed_timeout_seconds)[child.name]
         parallel = self.config.parallel
@@ -128,7 +128,7 @@ class Launcher:
         return addresses
 
     def _start_api_servers_and_engines(
-        self, handshake: ipc.HandshakeListener, coordinator: CoordinatorAddresses | None
+        self, handshake: processes.HandshakeListener, coordinator: CoordinatorAddresses | None
     ) -> None:
         config, frontend = self.config, self.config.frontend
         engine_ranks = node_engine_ranks(config.parallel)
@@ -144,14 +144,14 @@ class Launcher:
         http = listening_socket(frontend.host, frontend.port) if serves_http else None
         if http is not None:  # --port 0 binds any free port: say which
             self.url = f"http://{frontend.host}:{http.getsockname()[1]}"
-        started: list[ipc.ChildProcess] = []
+        started: list[processes.ChildProcess] = []
         for index, addresses in enumerate(clients if serves_http else []):
             info = APIServerStartupInfo(
                 config, index, addresses, engines_per_api_server(config.parallel), http.fileno(), handshake.address,
                 load_address,
             )
             name = f"fleet-api-{index}"
-            started.append(ipc.spawn("fleet.frontend.api_server", name, info, pass_fds=(http.fileno(),)))
+            started.append(processes.spawn("fleet.frontend.api_server", name, info, pass_fds=(http.fileno(),)))
         for dp_rank in engine_ranks:
             info = EngineCoreStartupInfo(
                 config=config,
@@ -174,10 +174,10 @@ class Launcher:
                 logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name,
                             capacity.num_tokens, concurrency, config.model.max_model_len)
 
-    def _start_engine(self, name: str, info: EngineCoreStartupInfo) -> ipc.ChildProcess:
+    def _start_engine(self, name: str, info: EngineCoreStartupInfo) -> processes.ChildProcess:
         """A child process, or with --data-parallel-backend ray an actor watched and stopped alike."""
         if self.config.parallel.data_parallel_backend != "ray":
-            return ipc.spawn("fleet.core.engine_core", name, info)
+            return processes.spawn("fleet.core.engine_core", name, info)
         from fleet.workers.ray_executor import start_engine_actor
 
         return start_engine_actor(self.config, name, msgspec.msgpack.encode(info))
@@ -228,7 +228,7 @@ class Launcher:
             for child in group:
                 if child.alive():
                     child.terminate()
-            ipc.stop_all(group, grace)
+            processes.stop_all(group, grace)
 
 
 def launch(config: FleetConfig) -> int:

@@ -18,7 +18,7 @@ import msgspec
 import torch.distributed as dist
 
 from fleet.config.parallel import ParallelConfig
-from fleet.core.ipc import NodeMissing
+from fleet.core.processes import NodeMissing
 
 logger = logging.getLogger(__name__)
 

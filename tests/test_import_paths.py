@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from fleet.core import ipc
+from fleet.core import processes
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = "fleet.tests.import_probe"
@@ -28,7 +28,7 @@ def assert_nothing_from_checkout(report: dict) -> None:
 
 
 def test_children_fleet_spawns_run_with_a_safe_path():
-    report = probe(ipc.python_command(PROBE))
+    report = probe(processes.python_command(PROBE))
     assert report["safe_path"]
     assert_nothing_from_checkout(report)
 

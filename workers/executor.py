@@ -18,7 +18,7 @@ import zmq
 
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
-from fleet.core import ipc, serial
+from fleet.core import ipc, processes, serial
 from fleet.core.messages import (
     KVCapacity,
     ModelRunnerOutput,
@@ -120,7 +120,7 @@ class MultiprocExecutor(Executor):
         self.plans.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.results = self._bind(zmq.PULL, "results")
         self.decoder = serial.Decoder(WorkerOutput, "worker results")
-        self.workers: list[ipc.ChildProcess] = []
+        self.workers: list[processes.ChildProcess] = []
         self.call_ids = itertools.count()
 
     def _tcp_bind_host(self) -> str | None:
@@ -141,7 +141,7 @@ class MultiprocExecutor(Executor):
         # Lock-step replicas meet at the coordinator's store, multi-node jobs at node 0's job store.
         hosts_store = parallel.replica_size > 1 and not parallel.replicas_step_together and parallel.nnodes == 1
         store_host, store_port = self._host_store() if hosts_store else ("", 0)
-        handshake = ipc.HandshakeListener(self.ctx, self.tcp_host)
+        handshake = processes.HandshakeListener(self.ctx, self.tcp_host)
         try:
             addresses = ReplicaAddresses(
                 plans=self.plans.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -164,7 +164,7 @@ class MultiprocExecutor(Executor):
         self.call("init_kv_cache", [num_blocks])
         return KVCapacity(num_blocks, self.config.cache.block_size)
 
-    def _spawn(self, addresses: ReplicaAddresses) -> list[ipc.ChildProcess]:
+    def _spawn(self, addresses: ReplicaAddresses) -> list[processes.ChildProcess]:
         return spawn_workers(self.config, self.dp_rank, addresses)
 
     def _publish(self, addresses: ReplicaAddresses) -> None:
@@ -248,7 +248,7 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         self._send_shutdown()
         # Workers stuck in a collective with a dead peer never read Shutdown: all get one deadline.
-        ipc.stop_all(self.workers, grace=5.0, terminate_now=any(not w.alive() for w in self.workers))
+        processes.stop_all(self.workers, grace=5.0, terminate_now=any(not w.alive() for w in self.workers))
         self.ctx.destroy(linger=0)
 
     def _send_shutdown(self) -> None:
@@ -258,7 +258,7 @@ class MultiprocExecutor(Executor):
             pass
 
 
-def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses) -> list[ipc.ChildProcess]:
+def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses) -> list[processes.ChildProcess]:
     """Start this node's workers of replica `dp_rank` (all of them unless
     the replica spans nodes); they report Ready to the replica's executor."""
     parallel = config.parallel
@@ -271,7 +271,7 @@ def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses
             continue
         local_rank = rank - node_workers.start
         info = worker_startup_info(config, dp_rank, rank - first, addresses, local_rank, len(node_workers))
-        workers.append(ipc.spawn("fleet.workers.worker", worker_name(parallel, rank), info))
+        workers.append(processes.spawn("fleet.workers.worker", worker_name(parallel, rank), info))
     return workers
 
 

@@ -39,7 +39,7 @@ def connect_ray(config: FleetConfig) -> None:
 
 
 class RayActorHandle:
-    """An actor watched and stopped like a child process (ipc.ChildProcess):
+    """An actor watched and stopped like a child process (processes.ChildProcess):
     it is alive while its `run` call (the process's whole life) has not returned."""
 
     def __init__(self, name: str, actor, run_ref):

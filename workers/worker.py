@@ -16,14 +16,13 @@ import torch
 import zmq
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import ipc, serial
+from fleet.core import ipc, processes, serial
 from fleet.core.messages import (
     KVCapacity,
     ModelRunnerOutput,
     Ready,
     SchedulerOutput,
     Shutdown,
-    StartupFailed,
     WorkerDead,
     WorkerInput,
     WorkerUtilityCall,
@@ -111,29 +110,23 @@ def _init_device(config: FleetConfig, local_rank: int, num_local_workers: int) -
 # ---- the worker process --------------------------------------------------------------
 
 
-def run_worker_process(name: str) -> None:
-    ipc.die_with_parent()
-    serve_worker(name, ipc.read_startup_info(WorkerStartupInfo))
-
-
 def serve_worker(name: str, info: WorkerStartupInfo) -> None:
     """Build the worker, report Ready (or the error) to the executor, then
     serve step plans until Shutdown. A worker process's whole life, and a
     Ray worker actor's."""
     ctx = zmq.Context()
-    try:
+
+    def build() -> tuple[Worker, zmq.Socket, zmq.Socket | None, KVCapacity]:
         store = (info.store_host, info.store_port)
         worker = Worker(info.config, info.dp_rank, info.rank, info.local_rank, info.num_local_workers, store,
                         info.kv_cache_bytes)
         plans = ipc.make_socket(ctx, zmq.SUB, connect=info.plan_address)
         plans.setsockopt(zmq.SUBSCRIBE, b"")
         results = ipc.make_socket(ctx, zmq.PUSH, connect=info.result_address) if worker.is_driver else None
-        capacity = KVCapacity(worker.available_kv_blocks(), info.config.cache.block_size)
-    except Exception as error:  # start-up failures go to the parent, which names us
-        logger.exception("%s failed to start", name)
-        ipc.report(info.handshake_address, StartupFailed(name, os.getpid(), f"{type(error).__name__}: {error}"))
-        sys.exit(1)
-    ipc.report(info.handshake_address, Ready(name, os.getpid(), kv_capacity=capacity))
+        return worker, plans, results, KVCapacity(worker.available_kv_blocks(), info.config.cache.block_size)
+
+    worker, plans, results, capacity = processes.start_or_report(name, info.handshake_address, build)
+    processes.report(info.handshake_address, Ready(name, os.getpid(), kv_capacity=capacity))
     _serve(worker, info.rank, name, plans, results)
 
 
@@ -162,8 +155,7 @@ def _serve(worker: Worker, rank: int, name: str, plans: zmq.Socket, results: zmq
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {sys.argv[-1]} %(message)s")
-    run_worker_process(sys.argv[sys.argv.index("--name") + 1])
+    processes.child_main(WorkerStartupInfo, serve_worker)
 
 
 if __name__ == "__main__":
