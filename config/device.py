@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from fleet.config import env
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,7 @@ def _cuda_available() -> bool:
     and ~180 MiB in the launcher, which computes nothing): a CUDA build of
     torch and a visible NVIDIA device. A build or driver that still cannot
     run fails in the workers with torch's own error; --device cpu avoids it."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
+    if env.cuda_hidden():
         return False
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:

@@ -1,7 +1,9 @@
-"""Every environment variable fleet reads, in one place."""
+"""Every environment variable fleet reads or sets, in one place: its other
+modules ask here instead of reading os.environ themselves."""
 from __future__ import annotations
 
 import os
+import tempfile
 
 
 def api_key() -> str | None:
@@ -13,3 +15,34 @@ def cache_dir() -> str:
     """FLEET_CACHE_DIR: where fleet keeps what it derives from model files
     (GGUF metadata, converted tokenizers). Default: ~/.cache/fleet."""
     return os.environ.get("FLEET_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fleet")
+
+
+def ipc_dir() -> str:
+    """FLEET_IPC_DIR: the directory of the ipc:// socket files. Default: the system's temporary directory."""
+    return os.environ.get("FLEET_IPC_DIR") or tempfile.gettempdir()
+
+
+def ray_address() -> str | None:
+    """RAY_ADDRESS: the Ray cluster to join when --ray-address is not given (None: start a local one)."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def cuda_hidden() -> bool:
+    """Whether CUDA_VISIBLE_DEVICES hides every GPU ("" or "-1")."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible is not None and visible.strip() in ("", "-1")
+
+
+def gloo_interface() -> str | None:
+    """GLOO_SOCKET_IFNAME: the network interface gloo uses (None: fleet picks the one that routes to node 0)."""
+    return os.environ.get("GLOO_SOCKET_IFNAME") or None
+
+
+def set_gloo_interface(interface: str) -> None:
+    """Tell gloo, which reads only its environment variable, which interface to use."""
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def malloc_mmap_threshold_set() -> bool:
+    """Whether the user tuned glibc's MALLOC_MMAP_THRESHOLD_ (their setting wins over fleet's)."""
+    return "MALLOC_MMAP_THRESHOLD_" in os.environ

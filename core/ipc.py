@@ -3,17 +3,17 @@
 stopping the processes themselves is core/processes.py."""
 from __future__ import annotations
 
-import os
 import socket
-import tempfile
 import uuid
 
 import zmq
 
+from fleet.config import env
+
 
 def new_ipc_address(tag: str) -> str:
     """A fresh ipc:// path in a private directory (no port races)."""
-    directory = os.environ.get("FLEET_IPC_DIR") or tempfile.gettempdir()
+    directory = env.ipc_dir()
     return f"ipc://{directory}/fleet-{tag}-{uuid.uuid4().hex[:12]}.sock"
 
 

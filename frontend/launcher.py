@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from fleet.config import env
 from fleet.config.fleet import FleetConfig
 from fleet.core import processes
 from fleet.core.dp_coordinator import CoordinatorAddresses, CoordinatorStartupInfo
@@ -98,7 +98,7 @@ class Launcher:
         import ray  # the optional dependency: pip install fleet[ray]
 
         parallel = self.config.parallel
-        address = parallel.ray_address or os.environ.get("RAY_ADDRESS")
+        address = parallel.ray_address or env.ray_address()
         try:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         except Exception as error:  # Ray raises several kinds; all mean the same to the user

@@ -11,12 +11,12 @@ coordinator. Either way all members create every group in the same order
 from __future__ import annotations
 
 import dataclasses
-import os
 from datetime import timedelta
 
 import psutil
 import torch.distributed as dist
 
+from fleet.config import env
 from fleet.config.fleet import FleetConfig
 from fleet.core import ipc
 from fleet.parallel.comm import GroupCoordinator, set_dp_group, set_ep_group, set_pp_group, set_tp_group
@@ -57,12 +57,12 @@ def _pin_gloo_to_the_route_to(host: str) -> None:
     """Gloo picks its interface from the hostname, which may not be the one
     the other nodes reach: use the interface that routes to node 0, unless
     the user chose one (GLOO_SOCKET_IFNAME)."""
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
+    if env.gloo_interface():
         return
     address = ipc.address_towards(host)
     for interface, addresses in psutil.net_if_addrs().items():
         if any(a.address == address for a in addresses):
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
+            env.set_gloo_interface(interface)
             return
 
 

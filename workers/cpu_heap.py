@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
+
+from fleet.config import env
 
 MMAP_THRESHOLD_BYTES = 32 * 2**20
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
@@ -31,7 +32,7 @@ def _glibc() -> ctypes.CDLL | None:
 def fix_mmap_threshold() -> None:
     """Once, at start-up; MALLOC_MMAP_THRESHOLD_ in the environment (the user's own tuning) wins."""
     libc = _glibc()
-    if libc is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+    if libc is not None and not env.malloc_mmap_threshold_set():
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 

@@ -11,10 +11,10 @@ to its actor as msgpack bytes.
 from __future__ import annotations
 
 import logging
-import os
 
 import msgspec
 
+from fleet.config import env
 from fleet.config.fleet import FleetConfig
 from fleet.workers.executor import (
     MultiprocExecutor,
@@ -34,7 +34,7 @@ def connect_ray(config: FleetConfig) -> None:
     import ray
 
     if not ray.is_initialized():
-        address = config.parallel.ray_address or os.environ.get("RAY_ADDRESS")
+        address = config.parallel.ray_address or env.ray_address()
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
 
 
