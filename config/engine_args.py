@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any
+from typing import Any, Literal
 
 from fleet.config import env
 from fleet.config.cache import CacheConfig
 from fleet.config.compilation import CompilationConfig
 from fleet.config.device import DeviceConfig, cpu_computes_bfloat16
-from fleet.config.fields import HumanReadable, parse_human_int
+from fleet.config.fields import HumanInt, HumanReadable, parse_human_int
 from fleet.config.fleet import FleetConfig
 from fleet.config.frontend import FrontendConfig
 from fleet.config.load import LoadConfig
-from fleet.config.model import DEFAULT_MODEL, DEFAULT_MODEL_ALIAS, ModelConfig, checkpoint_dtype
+from fleet.config.model import DEFAULT_MODEL, DEFAULT_MODEL_ALIAS, ModelConfig, ModelDtype, checkpoint_dtype
 from fleet.config.model_files import is_default_model, locate_model, read_hf_config
 from fleet.config.parallel import ParallelConfig
 from fleet.config.scheduler import SchedulerConfig
@@ -43,22 +43,84 @@ def user_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if not f.metadata.get("resolved")]
 
 
-def _engine_args_fields() -> list[tuple[str, Any, dataclasses.Field]]:
-    fields = []
-    for cls in FLAT_GROUPS.values():
-        for f in user_fields(cls):
-            default = (
-                dataclasses.field(default=f.default)
-                if f.default is not dataclasses.MISSING
-                else dataclasses.field(default_factory=f.default_factory)
-            )
-            fields.append((f.name, f.type, default))
-    for name, cls in NESTED_GROUPS.items():
-        fields.append((name, cls, dataclasses.field(default_factory=cls)))
-    return fields
+def _is_human_int(hint: Any) -> bool:
+    """HumanInt, or HumanInt | None."""
+    candidates = [hint, *typing.get_args(hint)]
+    return any(HumanReadable in getattr(c, "__metadata__", ()) for c in candidates)
 
 
-class _EngineArgsBase:
+HUMAN_INT_FIELDS = [
+    f.name
+    for cls in FLAT_GROUPS.values()
+    for f in user_fields(cls)
+    if _is_human_int(typing.get_type_hints(cls, include_extras=True)[f.name])
+]
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Every user-facing field of every config class, flat, as the CLI and
+    fleet.LLM take them, under the name of the flag (`--tensor-parallel-size`
+    is `tensor_parallel_size`). Each group mirrors the user fields of the
+    config class it names, types and defaults included, and
+    tests/config/test_engine_args.py keeps the two in step: a field added to a
+    config class is added here too."""
+
+    # model: ModelConfig
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    served_model_name: list[str] | None = None
+    dtype: ModelDtype = "auto"
+    max_model_len: HumanInt | None = None
+    seed: int = 0
+    max_logprobs: int = 20
+    # parallel: ParallelConfig
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_rank: int | None = None
+    data_parallel_start_rank: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = 29550
+    data_parallel_hybrid_lb: bool = False
+    data_parallel_external_lb: bool = False
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    distributed_executor_backend: Literal["uni", "mp", "ray"] = "mp"
+    ray_address: str | None = None
+    enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    headless: bool = False
+    distributed_timeout_seconds: int = 300
+    # cache: CacheConfig
+    block_size: int = 16
+    kv_cache_memory_bytes: HumanInt | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool | None = None
+    # scheduler: SchedulerConfig
+    max_num_batched_tokens: HumanInt | None = None
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool | None = None
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # load: LoadConfig
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    download_dir: str | None = None
+    # device: DeviceConfig
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # frontend: FrontendConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    api_server_count: int = 1
+    max_request_body_bytes: HumanInt = 8 * 2**20
+    shutdown_timeout: float = 10.0
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
+    # compilation_config: one JSON-valued flag
+    compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+
     def __post_init__(self) -> None:
         # Python callers may write numbers as on the CLI: LLM(kv_cache_memory_bytes="2G").
         for name in HUMAN_INT_FIELDS:
@@ -99,24 +161,6 @@ class _EngineArgsBase:
 
     def _group(self, name: str) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in user_fields(FLAT_GROUPS[name])}
-
-
-def _is_human_int(hint: Any) -> bool:
-    """HumanInt, or HumanInt | None."""
-    candidates = [hint, *typing.get_args(hint)]
-    return any(HumanReadable in getattr(c, "__metadata__", ()) for c in candidates)
-
-
-HUMAN_INT_FIELDS = [
-    f.name
-    for cls in FLAT_GROUPS.values()
-    for f in user_fields(cls)
-    if _is_human_int(typing.get_type_hints(cls, include_extras=True)[f.name])
-]
-
-EngineArgs = dataclasses.make_dataclass("EngineArgs", _engine_args_fields(), bases=(_EngineArgsBase,))
-EngineArgs.__module__ = __name__
-EngineArgs.__doc__ = "Every user-facing field of every config class, flat, as the CLI and fleet.LLM take them."
 
 
 def _resolve_model(model: ModelConfig, load: LoadConfig, device: DeviceConfig) -> ModelConfig:
