@@ -99,14 +99,15 @@ class EngineCore:
 
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Run one step; return the outputs grouped by the client that gets them."""
-        plan = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule()
         # Workers must drop finished requests too; and lock-step replicas all
         # run every step, with no tokens if need be (see dp_coordinator.py).
-        if plan.num_scheduled_tokens or plan.finished_request_ids or self.config.parallel.replicas_step_together:
-            result = self.executor.execute(plan)
+        workers_have_work = scheduler_output.num_scheduled_tokens or scheduler_output.finished_request_ids
+        if workers_have_work or self.config.parallel.replicas_step_together:
+            result = self.executor.execute(scheduler_output)
         else:
-            result = ModelRunnerOutput(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
-        outputs = self.scheduler.update_from_output(plan, result)
+            result = ModelRunnerOutput(step_id=scheduler_output.step_id, request_ids=[], sampled_token_ids=[])
+        outputs = self.scheduler.update_from_output(scheduler_output, result)
         return self._group_by_client(outputs)
 
     def _group_by_client(self, outputs: list[EngineCoreOutput]) -> dict[int, EngineCoreOutputs]:
@@ -184,7 +185,8 @@ class EngineCoreProcess:
             self.name, self.info.handshake_address, lambda: EngineCore(self.info.config, self.info.dp_rank)
         )
         self._start_io_threads()
-        processes.report(self.info.handshake_address, Ready(self.name, os.getpid(), kv_capacity=self.engine.kv_capacity))
+        ready = Ready(self.name, os.getpid(), kv_capacity=self.engine.kv_capacity)
+        processes.report(self.info.handshake_address, ready)
         try:
             self._lockstep_loop() if self.info.config.parallel.replicas_step_together else self._busy_loop()
         except Exception as error:

@@ -114,7 +114,7 @@ class EngineDead(Struct, tag=True):
 EngineOutput = EngineCoreOutputs | UtilityResult | EngineDead
 
 
-# ---- engine core -> workers: the step plan --------------------------------------
+# ---- engine core -> workers: the scheduler output ----------------------------------
 
 
 class NewRequestData(Struct):
@@ -134,7 +134,7 @@ class CachedRequestData(Struct):
 
     request_id: str
     new_token_ids: list[int]
-    """Tokens appended since the last plan that named this request (sampled ones)."""
+    """Tokens appended since the last SchedulerOutput that named this request (sampled ones)."""
     new_block_ids: list[int]
     num_computed_tokens: int
 
@@ -146,7 +146,7 @@ class SchedulerOutput(Struct, tag=True):
     num_scheduled_tokens: dict[str, int]
     """Tokens each request computes this step; its order is the batch order."""
     finished_request_ids: list[str]
-    """Requests finished or preempted since the last plan: workers drop their state."""
+    """Requests finished or preempted since the last SchedulerOutput: workers drop their state."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

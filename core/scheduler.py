@@ -6,12 +6,12 @@ waiting ones. A prompt, a prefill chunk, a decode and a recompute after
 preemption are all the same thing: tokens not yet computed. No phases.
 
 One step, as the engine core drives it:
-    plan = scheduler.schedule()                     # SchedulerOutput, the workers' contract
-    runner_output = executor.execute(plan)          # ModelRunnerOutput
-    outputs = scheduler.update_from_output(plan, runner_output)
+    scheduler_output = scheduler.schedule()         # SchedulerOutput, the workers' contract
+    runner_output = executor.execute(scheduler_output)  # ModelRunnerOutput
+    outputs = scheduler.update_from_output(scheduler_output, runner_output)
 When only finished ids or abort outputs are pending (has_finished_requests), the
-plan schedules no token; the engine core may skip the executor and pass an empty
-ModelRunnerOutput with the plan's step_id.
+SchedulerOutput schedules no token; the engine core may skip the executor and pass an empty
+ModelRunnerOutput with its step_id.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from fleet.core.messages import (
 )
 from fleet.core.request import Request, RequestStatus
 from fleet.core.request_queue import FCFSQueue, PriorityQueue, priority_key
-from fleet.core.step_plan import PlanBuilder, StepBudget
+from fleet.core.step_builder import SchedulerOutputBuilder, StepBudget
 
 
 def _check_configs(
@@ -85,7 +85,7 @@ class Scheduler:
         """Unfinished requests by id."""
         self.waiting: FCFSQueue | PriorityQueue = PriorityQueue() if self.policy == "priority" else FCFSQueue()
         self.running: list[Request] = []
-        self._plan = PlanBuilder()
+        self._output_builder = SchedulerOutputBuilder()
         self._pending_outputs: list[EngineCoreOutput] = []
         """Outputs of requests finished outside a step (aborts), sent with the next update."""
         self.step_counter = 0
@@ -131,7 +131,7 @@ class Scheduler:
             self._release(request)
             self._pending_outputs.append(self._output(request, []))
 
-    # ---- the step plan -----------------------------------------------------------------------
+    # ---- the scheduler output -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         step = StepBudget(token_budget=self.max_num_batched_tokens)
@@ -140,7 +140,7 @@ class Scheduler:
             # Admitting while evicting would only thrash the cache.
             self._schedule_waiting(step)
         self.step_counter += 1
-        return self._plan.build(self.step_counter, step)
+        return self._output_builder.build(self.step_counter, step)
 
     def _schedule_running(self, step: StepBudget) -> None:
         """Running requests in policy order; the last one is the first to be preempted."""
@@ -194,7 +194,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.preempt()
         self.waiting.prepend(request)
-        self._plan.forget(request.request_id)
+        self._output_builder.forget(request.request_id)
         self.num_preemptions += 1
 
     # ---- results in ----------------------------------------------------------------------------
@@ -258,7 +258,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         """A finished request leaves: blocks back to the pool, workers told to drop it."""
         self.kv_cache_manager.free(request)
-        self._plan.forget(request.request_id)
+        self._output_builder.forget(request.request_id)
         del self.requests[request.request_id]
 
     # ---- state -----------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ class Scheduler:
 
     def has_finished_requests(self) -> bool:
         """Finished ids or abort outputs not yet delivered: worth one more (empty) step."""
-        return self._plan.has_finished or bool(self._pending_outputs)
+        return self._output_builder.has_finished or bool(self._pending_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -1,7 +1,7 @@
 """Executors: how the engine core reaches its workers.
 
 `uni` holds the one worker in the engine-core process (for debugging);
-`mp` starts one process per worker, broadcasts each step plan to all of
+`mp` starts one process per worker, broadcasts each SchedulerOutput to all of
 them on one XPUB socket (one send, whatever the number of workers) and
 reads results from the driver (rank 0) only. This module imports no torch:
 the engine-core process stays light with `mp`.
@@ -47,7 +47,7 @@ class Executor:
         """Start the workers, size and allocate the KV cache; return its capacity."""
         raise NotImplementedError
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -67,7 +67,7 @@ class WorkerStartupInfo(msgspec.Struct):
     local_rank: int
     num_local_workers: int
     handshake_address: str
-    plan_address: str
+    step_address: str
     """The engine's broadcast (XPUB) socket."""
     result_address: str
     """The engine's PULL socket; only the driver sends on it."""
@@ -91,8 +91,8 @@ class UniExecutor(Executor):
         self.worker.init_kv_cache(num_blocks)
         return KVCapacity(num_blocks, self.config.cache.block_size)
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute(plan)
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute(scheduler_output)
 
     def shutdown(self) -> None:
         pass
@@ -102,7 +102,7 @@ class ReplicaAddresses(msgspec.Struct):
     """Where the workers of one replica reach its executor (published in the
     job store when the replica spans nodes)."""
 
-    plans: str
+    steps: str
     results: str
     handshake: str
     store_host: str = ""
@@ -116,8 +116,8 @@ class MultiprocExecutor(Executor):
         self.dp_rank = dp_rank
         self.ctx = zmq.Context()
         self.tcp_host = self._tcp_bind_host()
-        self.plans = self._bind(zmq.XPUB, "plans")
-        self.plans.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.steps = self._bind(zmq.XPUB, "steps")
+        self.steps.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.results = self._bind(zmq.PULL, "results")
         self.decoder = serial.Decoder(WorkerOutput, "worker results")
         self.workers: list[processes.ChildProcess] = []
@@ -144,7 +144,7 @@ class MultiprocExecutor(Executor):
         handshake = processes.HandshakeListener(self.ctx, self.tcp_host)
         try:
             addresses = ReplicaAddresses(
-                plans=self.plans.getsockopt_string(zmq.LAST_ENDPOINT),
+                steps=self.steps.getsockopt_string(zmq.LAST_ENDPOINT),
                 results=self.results.getsockopt_string(zmq.LAST_ENDPOINT),
                 handshake=handshake.address,
                 store_host=store_host,
@@ -191,27 +191,27 @@ class MultiprocExecutor(Executor):
         return host, self._store.port
 
     def _wait_for_subscribers(self, count: int) -> None:
-        """XPUB hears each subscription: once all workers subscribed, no plan is lost."""
+        """XPUB hears each subscription: once all workers subscribed, no step is lost."""
         deadline = time.monotonic() + self.config.parallel.distributed_timeout_seconds
         seen = 0
         while seen < count:
-            if self.plans.poll(LIVENESS_POLL_MS):
-                if self.plans.recv()[:1] == b"\x01":
+            if self.steps.poll(LIVENESS_POLL_MS):
+                if self.steps.recv()[:1] == b"\x01":
                     seen += 1
             else:
                 self.check_alive()
             if time.monotonic() > deadline:
-                raise WorkerDied(f"only {seen} of {count} workers subscribed to the step plan")
+                raise WorkerDied(f"only {seen} of {count} workers subscribed to the steps")
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        self.plans.send(serial.encode(plan))
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.send(serial.encode(scheduler_output))
         result = self._receive()
         assert isinstance(result, ModelRunnerOutput), result
         return result
 
     def call(self, method: str, args: list[Any]) -> Any:
         call_id = next(self.call_ids)
-        self.plans.send(serial.encode(WorkerUtilityCall(call_id, method, args)))
+        self.steps.send(serial.encode(WorkerUtilityCall(call_id, method, args)))
         result = self._receive()
         assert isinstance(result, WorkerUtilityResult) and result.call_id == call_id, result
         if result.error:
@@ -253,7 +253,7 @@ class MultiprocExecutor(Executor):
 
     def _send_shutdown(self) -> None:
         try:
-            self.plans.send(serial.encode(Shutdown("engine shutting down")), zmq.NOBLOCK)
+            self.steps.send(serial.encode(Shutdown("engine shutting down")), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
@@ -286,7 +286,7 @@ def worker_startup_info(config: FleetConfig, dp_rank: int, rank: int, addresses:
         local_rank=local_rank,
         num_local_workers=num_local_workers,
         handshake_address=addresses.handshake,
-        plan_address=addresses.plans,
+        step_address=addresses.steps,
         result_address=addresses.results,
         kv_cache_bytes=planned_kv_cache_bytes(config),
         store_host=addresses.store_host,

@@ -1,5 +1,5 @@
 """The worker's copy of each running request, and the flat batch tensors of
-one step built from the step plan."""
+one step built from its SchedulerOutput."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,7 +12,11 @@ from fleet.core.sampling_params import SamplingParams
 
 
 @dataclass
-class RequestState:
+class CachedRequestState:
+    """A worker's copy of one request, as the SchedulerOutputs sent it (not the
+    front end's RequestState, frontend/output_processor.py, which follows a
+    client's request)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -47,34 +51,34 @@ class StepBatch:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
-    requests: list[RequestState]
+    requests: list[CachedRequestState]
     query_lens: list[int]
     seq_lens_list: list[int]
     num_decode_seqs: int
-    """Leading requests with a query of one token (the plan orders them first)."""
+    """Leading requests with a query of one token (the scheduler orders them first)."""
 
 
-class RequestStates:
-    """All requests this worker holds, updated from each step plan."""
+class CachedRequests:
+    """All requests this worker holds, updated from each SchedulerOutput."""
 
     def __init__(self, device: torch.device, block_size: int):
         self.device = device
         self.block_size = block_size
-        self.states: dict[str, RequestState] = {}
+        self.states: dict[str, CachedRequestState] = {}
 
-    def apply(self, plan: SchedulerOutput) -> None:
-        for request_id in plan.finished_request_ids:
+    def apply(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
-        for new in plan.new_requests:
+        for new in scheduler_output.new_requests:
             self.states[new.request_id] = self._new_state(new)
-        for cached in plan.cached_requests:
+        for cached in scheduler_output.cached_requests:
             self._update(cached)
 
-    def _new_state(self, new: NewRequestData) -> RequestState:
+    def _new_state(self, new: NewRequestData) -> CachedRequestState:
         generator = None
         if new.sampling_params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
-        return RequestState(
+        return CachedRequestState(
             request_id=new.request_id,
             prompt_token_ids=list(new.prompt_token_ids),
             params=new.sampling_params,
@@ -90,11 +94,11 @@ class RequestStates:
         state.block_ids.extend(cached.new_block_ids)
         state.num_computed_tokens = cached.num_computed_tokens
 
-    def build_batch(self, plan: SchedulerOutput) -> StepBatch:
-        if not plan.num_scheduled_tokens:
+    def build_batch(self, scheduler_output: SchedulerOutput) -> StepBatch:
+        if not scheduler_output.num_scheduled_tokens:
             return self._empty_batch()
-        requests = [self.states[request_id] for request_id in plan.num_scheduled_tokens]
-        query_lens = list(plan.num_scheduled_tokens.values())
+        requests = [self.states[request_id] for request_id in scheduler_output.num_scheduled_tokens]
+        query_lens = list(scheduler_output.num_scheduled_tokens.values())
         starts = [state.num_computed_tokens for state in requests]
         seq_lens = [start + n for start, n in zip(starts, query_lens)]
         input_ids: list[int] = []

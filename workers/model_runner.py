@@ -1,4 +1,4 @@
-"""One step on one worker: step plan -> batch tensors -> forward -> sample."""
+"""One step on one worker: SchedulerOutput -> batch tensors -> forward -> sample."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ from fleet.config.fleet import FleetConfig
 from fleet.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from fleet.kernels.attention import AttentionMetadata
 from fleet.parallel.comm import get_pp_group
-from fleet.workers.input_batch import RequestStates, StepBatch
+from fleet.workers.input_batch import CachedRequests, StepBatch
 from fleet.workers.sampler import SamplingRow, sample_isolating_failures, top_logprobs
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,7 +28,7 @@ class ModelRunner:
         self.device = device
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
-        self.states = RequestStates(device, self.block_size)
+        self.states = CachedRequests(device, self.block_size)
         self.kv_caches: list[torch.Tensor] = []
         hf = config.model.hf_config
         self.eos_token_ids = _eos_token_ids(hf)
@@ -47,13 +47,14 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step. Every worker runs it (collectives need all of them);
         only the driver (tensor rank 0 of the last stage) returns an output."""
-        self.states.apply(plan)
-        if not plan.num_scheduled_tokens and not self.forward_every_step:
-            return ModelRunnerOutput(step_id=plan.step_id, request_ids=[], sampled_token_ids=[]) if self.is_driver else None
-        batch = self.states.build_batch(plan)
+        self.states.apply(scheduler_output)
+        step_id = scheduler_output.step_id
+        if not scheduler_output.num_scheduled_tokens and not self.forward_every_step:
+            return ModelRunnerOutput(step_id=step_id, request_ids=[], sampled_token_ids=[]) if self.is_driver else None
+        batch = self.states.build_batch(scheduler_output)
         intermediate = None
         if not self.stage.is_first:
             shape = (2, len(batch.input_ids), self.model.spec.hidden_size)  # hidden and residual
@@ -65,7 +66,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         sampling = [i for i, state in enumerate(batch.requests) if batch.seq_lens_list[i] >= state.num_tokens]
         if not sampling:
-            return ModelRunnerOutput(plan.step_id, [], [], None, prompt_logprobs) if self.is_driver else None
+            return ModelRunnerOutput(step_id, [], [], None, prompt_logprobs) if self.is_driver else None
         last_token_index = batch.query_start_loc[1:][sampling].long() - 1
         logits = self.model.compute_logits(hidden[last_token_index])  # collective over the TP group
         if not self.is_driver:  # only the driver (tensor rank 0) received the logits
@@ -76,7 +77,7 @@ class ModelRunner:
         sampled_rows = [i for i in range(len(rows)) if i not in errors]
         row_logprobs = [logprobs[i] for i in sampled_rows]
         return ModelRunnerOutput(
-            step_id=plan.step_id,
+            step_id=step_id,
             request_ids=[request_ids[i] for i in sampled_rows],
             sampled_token_ids=[sampled[i] for i in sampled_rows],
             logprobs=row_logprobs if any(lp is not None for lp in row_logprobs) else None,

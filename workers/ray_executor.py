@@ -4,7 +4,7 @@ CUDA, {"CPU": 1} here), packed on as few nodes as hold them and spread when
 one node cannot.
 
 Ray only places and starts the processes: the engine core drives the actors
-with the same ZMQ + msgspec step-plan protocol as the mp executor, over TCP
+with the same ZMQ + msgspec SchedulerOutput protocol as the mp executor, over TCP
 because an actor may run on another node. A worker's start-up info travels
 to its actor as msgpack bytes.
 """

@@ -2,7 +2,7 @@
 
 `Worker` is the in-process object (the `uni` executor holds one directly);
 `python -m fleet.workers.worker` is the worker process that the `mp`
-executor starts: it receives the step plan on a broadcast socket and, if it
+executor starts: it receives each SchedulerOutput on a broadcast socket and, if it
 is the driver, returns the runner output.
 """
 from __future__ import annotations
@@ -84,9 +84,10 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
-        output = self.runner.execute(plan)
-        if self.device.type == "cpu" and plan.finished_request_ids and not plan.num_scheduled_tokens:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        output = self.runner.execute(scheduler_output)
+        going_idle = scheduler_output.finished_request_ids and not scheduler_output.num_scheduled_tokens
+        if self.device.type == "cpu" and going_idle:
             cpu_heap.return_free_pages()  # the last requests finished: the engine goes idle
         return output
 
@@ -112,7 +113,7 @@ def _init_device(config: FleetConfig, local_rank: int, num_local_workers: int) -
 
 def serve_worker(name: str, info: WorkerStartupInfo) -> None:
     """Build the worker, report Ready (or the error) to the executor, then
-    serve step plans until Shutdown. A worker process's whole life, and a
+    serve scheduler outputs until Shutdown. A worker process's whole life, and a
     Ray worker actor's."""
     ctx = zmq.Context()
 
@@ -120,20 +121,20 @@ def serve_worker(name: str, info: WorkerStartupInfo) -> None:
         store = (info.store_host, info.store_port)
         worker = Worker(info.config, info.dp_rank, info.rank, info.local_rank, info.num_local_workers, store,
                         info.kv_cache_bytes)
-        plans = ipc.make_socket(ctx, zmq.SUB, connect=info.plan_address)
-        plans.setsockopt(zmq.SUBSCRIBE, b"")
+        steps = ipc.make_socket(ctx, zmq.SUB, connect=info.step_address)
+        steps.setsockopt(zmq.SUBSCRIBE, b"")
         results = ipc.make_socket(ctx, zmq.PUSH, connect=info.result_address) if worker.is_driver else None
-        return worker, plans, results, KVCapacity(worker.available_kv_blocks(), info.config.cache.block_size)
+        return worker, steps, results, KVCapacity(worker.available_kv_blocks(), info.config.cache.block_size)
 
-    worker, plans, results, capacity = processes.start_or_report(name, info.handshake_address, build)
+    worker, steps, results, capacity = processes.start_or_report(name, info.handshake_address, build)
     processes.report(info.handshake_address, Ready(name, os.getpid(), kv_capacity=capacity))
-    _serve(worker, info.rank, name, plans, results)
+    _serve(worker, info.rank, name, steps, results)
 
 
-def _serve(worker: Worker, rank: int, name: str, plans: zmq.Socket, results: zmq.Socket | None) -> None:
-    decoder = serial.Decoder(WorkerInput, f"{name} plans")
+def _serve(worker: Worker, rank: int, name: str, steps: zmq.Socket, results: zmq.Socket | None) -> None:
+    decoder = serial.Decoder(WorkerInput, f"{name} steps")
     while True:
-        message = decoder.decode(plans.recv())
+        message = decoder.decode(steps.recv())
         try:
             match message:
                 case SchedulerOutput():

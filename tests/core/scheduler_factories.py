@@ -1,6 +1,6 @@
 """Factories and a fake worker for the scheduler tests (vLLM's create_scheduler/create_requests style).
 
-The fake worker rebuilds each request from the step plans alone, the way a real
+The fake worker rebuilds each request from the scheduler outputs alone, the way a real
 worker must, and asserts that what it rebuilt agrees with the scheduler; the
 test chooses the sampled tokens.
 """
@@ -91,7 +91,7 @@ Sampler = Callable[[str], int]
 
 
 class FakeWorker:
-    """Holds what a worker holds (tokens, block ids, computed count per request), fed only by plans."""
+    """Holds what a worker holds (tokens, block ids, computed count per request), fed only by scheduler outputs."""
 
     def __init__(self, scheduler: Scheduler, sample: Sampler | dict[str, list[int]] | None = None):
         self.scheduler = scheduler
@@ -109,11 +109,11 @@ class FakeWorker:
             return scripted.pop(0) if scripted else DEFAULT_TOKEN_ID
         return self.sample(request_id)
 
-    def execute(self, plan: SchedulerOutput, with_logprobs: bool = False) -> ModelRunnerOutput:
-        self._apply(plan)
+    def execute(self, scheduled: SchedulerOutput, with_logprobs: bool = False) -> ModelRunnerOutput:
+        self._apply(scheduled)
         request_ids, sampled, logprobs = [], [], []
         prompt_logprobs = {}
-        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+        for request_id, num_tokens in scheduled.num_scheduled_tokens.items():
             if self.params[request_id].prompt_logprobs is not None:
                 prompt_logprobs[request_id] = self._prompt_logprobs(request_id, num_tokens)
             self.num_computed[request_id] += num_tokens
@@ -123,7 +123,7 @@ class FakeWorker:
                 sampled.append(token_id)
                 logprobs.append(TokenLogprobs([token_id], [-0.5], [1]))
         return ModelRunnerOutput(
-            step_id=plan.step_id,
+            step_id=scheduled.step_id,
             request_ids=request_ids,
             sampled_token_ids=sampled,
             logprobs=logprobs if with_logprobs else None,
@@ -137,28 +137,28 @@ class FakeWorker:
         end = min(start + num_tokens, len(prompt) - 1)
         return [TokenLogprobs([prompt[i + 1]], [-1.0], [1]) for i in range(start, end)]
 
-    def _apply(self, plan: SchedulerOutput) -> None:
-        for request_id in plan.finished_request_ids:
+    def _apply(self, scheduled: SchedulerOutput) -> None:
+        for request_id in scheduled.finished_request_ids:
             assert request_id in self.tokens, f"told to drop {request_id}, which it does not hold"
             for state in (self.tokens, self.block_ids, self.num_computed, self.params):
                 del state[request_id]
-        for new in plan.new_requests:
+        for new in scheduled.new_requests:
             assert new.request_id not in self.tokens, f"{new.request_id} sent in full twice"
             self.tokens[new.request_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
             self.block_ids[new.request_id] = list(new.block_ids)
             self.num_computed[new.request_id] = new.num_computed_tokens
             self.params[new.request_id] = new.sampling_params
-        for cached in plan.cached_requests:
+        for cached in scheduled.cached_requests:
             assert self.num_computed[cached.request_id] == cached.num_computed_tokens
             self.tokens[cached.request_id].extend(cached.new_token_ids)
             self.block_ids[cached.request_id].extend(cached.new_block_ids)
-        self._check_against_scheduler(plan)
+        self._check_against_scheduler(scheduled)
 
-    def _check_against_scheduler(self, plan: SchedulerOutput) -> None:
-        named = {r.request_id for r in plan.new_requests} | {r.request_id for r in plan.cached_requests}
-        assert named == set(plan.num_scheduled_tokens), "plan names other requests than it schedules"
+    def _check_against_scheduler(self, scheduled: SchedulerOutput) -> None:
+        named = {r.request_id for r in scheduled.new_requests} | {r.request_id for r in scheduled.cached_requests}
+        assert named == set(scheduled.num_scheduled_tokens), "the output names other requests than it schedules"
         block_size = self.scheduler.block_size
-        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+        for request_id, num_tokens in scheduled.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             assert self.tokens[request_id] == request.all_token_ids
             assert self.block_ids[request_id] == self.scheduler.kv_cache_manager.get_block_ids(request_id)
@@ -171,22 +171,22 @@ class FakeWorker:
 def step(
     scheduler: Scheduler, worker: FakeWorker, with_logprobs: bool = False
 ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-    plan = scheduler.schedule()
-    assert plan.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
-    assert len(plan.num_scheduled_tokens) <= scheduler.max_num_seqs
-    assert_decodes_first(scheduler, plan)
-    outputs = scheduler.update_from_output(plan, worker.execute(plan, with_logprobs))
+    scheduled = scheduler.schedule()
+    assert scheduled.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
+    assert len(scheduled.num_scheduled_tokens) <= scheduler.max_num_seqs
+    assert_decodes_first(scheduler, scheduled)
+    outputs = scheduler.update_from_output(scheduled, worker.execute(scheduled, with_logprobs))
     scheduler.kv_cache_manager.check_invariants()
-    return plan, outputs
+    return scheduled, outputs
 
 
-def assert_decodes_first(scheduler: Scheduler, plan: SchedulerOutput) -> None:
+def assert_decodes_first(scheduler: Scheduler, scheduled: SchedulerOutput) -> None:
     """In batch order, every one-token decode comes before every other request."""
     flags = []
-    for request_id, num_tokens in plan.num_scheduled_tokens.items():
+    for request_id, num_tokens in scheduled.num_scheduled_tokens.items():
         request = scheduler.requests[request_id]
         flags.append(num_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens)
-    assert flags == sorted(flags, reverse=True), f"decodes are not first: {plan.num_scheduled_tokens}"
+    assert flags == sorted(flags, reverse=True), f"decodes are not first: {scheduled.num_scheduled_tokens}"
 
 
 def run_to_completion(

@@ -24,8 +24,8 @@ def counting_sampler(scheduler: Scheduler):
     return lambda request_id: 1000 + scheduler.requests[request_id].num_output_tokens
 
 
-def empty_runner_output(plan) -> ModelRunnerOutput:
-    return ModelRunnerOutput(step_id=plan.step_id, request_ids=[], sampled_token_ids=[])
+def empty_runner_output(scheduled) -> ModelRunnerOutput:
+    return ModelRunnerOutput(step_id=scheduled.step_id, request_ids=[], sampled_token_ids=[])
 
 
 # ---- batching ---------------------------------------------------------------------------
@@ -34,12 +34,12 @@ def empty_runner_output(plan) -> ModelRunnerOutput:
 def test_all_requests_run_to_max_tokens():
     scheduler = create_scheduler()
     add_requests(scheduler, create_requests(4, 10, max_tokens=16))
-    plan = scheduler.schedule()
-    assert [r.request_id for r in plan.new_requests] == ["req0", "req1", "req2", "req3"]
-    assert plan.num_scheduled_tokens == {"req0": 10, "req1": 10, "req2": 10, "req3": 10}
-    assert plan.new_requests[0].block_ids == [0] and plan.new_requests[0].num_computed_tokens == 0
+    scheduled = scheduler.schedule()
+    assert [r.request_id for r in scheduled.new_requests] == ["req0", "req1", "req2", "req3"]
+    assert scheduled.num_scheduled_tokens == {"req0": 10, "req1": 10, "req2": 10, "req3": 10}
+    assert scheduled.new_requests[0].block_ids == [0] and scheduled.new_requests[0].num_computed_tokens == 0
     worker = FakeWorker(scheduler)
-    scheduler.update_from_output(plan, worker.execute(plan))
+    scheduler.update_from_output(scheduled, worker.execute(scheduled))
     outputs = run_to_completion(scheduler, worker)
     for request_outputs in outputs.values():
         assert len(output_token_ids(request_outputs)) == 15
@@ -52,11 +52,11 @@ def test_cached_request_data_carries_only_changes():
     add_requests(scheduler, create_requests(1, 7))
     worker = FakeWorker(scheduler, sample={"req0": [50, 51, 52]})
     step(scheduler, worker)
-    plan, _ = step(scheduler, worker)
-    (cached,) = plan.cached_requests
+    scheduled, _ = step(scheduler, worker)
+    (cached,) = scheduled.cached_requests
     assert (cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens) == ([50], [], 7)
-    plan, _ = step(scheduler, worker)
-    assert plan.cached_requests[0].new_token_ids == [51] and plan.cached_requests[0].new_block_ids == [2]
+    scheduled, _ = step(scheduler, worker)
+    assert scheduled.cached_requests[0].new_token_ids == [51] and scheduled.cached_requests[0].new_block_ids == [2]
     scheduler.abort_requests(["req0"])
     run_to_completion(scheduler, worker)
 
@@ -67,8 +67,8 @@ def test_chunked_prefill_splits_a_long_prompt_under_the_budget():
     worker = FakeWorker(scheduler)
     chunks = []
     for _ in range(4):
-        plan, outputs = step(scheduler, worker)
-        chunks.append(plan.num_scheduled_tokens["req0"])
+        scheduled, outputs = step(scheduler, worker)
+        chunks.append(scheduled.num_scheduled_tokens["req0"])
         assert (outputs == []) == (len(chunks) < 4)
     assert chunks == [32, 32, 32, 4]
     run_to_completion(scheduler, worker)
@@ -80,10 +80,10 @@ def test_chunked_prefill_shares_the_budget_with_decodes_which_go_first():
     worker = FakeWorker(scheduler)
     step(scheduler, worker)
     add_requests(scheduler, create_requests(1, 100, max_tokens=1, priorities=[0], id_prefix="prefill"))
-    plans = [step(scheduler, worker)[0] for _ in range(4)]
+    outputs_seen = [step(scheduler, worker)[0] for _ in range(4)]
     # The higher-priority prompt runs first and takes whole budgets; its last chunk
     # leaves room for the decode, which the batch order puts first.
-    assert [list(plan.num_scheduled_tokens.items()) for plan in plans] == [
+    assert [list(scheduled.num_scheduled_tokens.items()) for scheduled in outputs_seen] == [
         [("decode0", 1), ("prefill0", 31)],
         [("prefill0", 32)],
         [("prefill0", 32)],
@@ -96,10 +96,10 @@ def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits():
     scheduler = create_scheduler(max_num_batched_tokens=32, enable_chunked_prefill=False, max_model_len=32)
     add_requests(scheduler, create_requests(2, 20, max_tokens=3))
     worker = FakeWorker(scheduler)
-    plan, _ = step(scheduler, worker)
-    assert plan.num_scheduled_tokens == {"req0": 20}
-    plan, _ = step(scheduler, worker)
-    assert plan.num_scheduled_tokens == {"req0": 1, "req1": 20}
+    scheduled, _ = step(scheduler, worker)
+    assert scheduled.num_scheduled_tokens == {"req0": 20}
+    scheduled, _ = step(scheduler, worker)
+    assert scheduled.num_scheduled_tokens == {"req0": 1, "req1": 20}
     run_to_completion(scheduler, worker)
 
 
@@ -107,8 +107,8 @@ def test_max_num_seqs_is_respected():
     scheduler = create_scheduler(max_num_seqs=2)
     add_requests(scheduler, create_requests(5, 10, max_tokens=3))
     worker = FakeWorker(scheduler)
-    plan, _ = step(scheduler, worker)
-    assert set(plan.num_scheduled_tokens) == {"req0", "req1"}
+    scheduled, _ = step(scheduler, worker)
+    assert set(scheduled.num_scheduled_tokens) == {"req0", "req1"}
     assert scheduler.make_stats().num_waiting == 3
     outputs = run_to_completion(scheduler, worker)
     assert len(outputs) == 5
@@ -121,18 +121,18 @@ def test_preempted_request_resumes_with_its_outputs():
     scheduler = create_scheduler(num_blocks=4, max_model_len=64)
     add_requests(scheduler, create_requests(2, 24, max_tokens=20))
     worker = FakeWorker(scheduler, sample=counting_sampler(scheduler))
-    plans = []
+    outputs_seen = []
     outputs: dict[str, list] = {}
     while scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
-        plan, step_outputs = step(scheduler, worker)
-        plans.append(plan)
+        scheduled, step_outputs = step(scheduler, worker)
+        outputs_seen.append(scheduled)
         for output in step_outputs:
             outputs.setdefault(output.request_id, []).append(output)
-    preempted_at = next(i for i, plan in enumerate(plans) if "req1" in plan.finished_request_ids)
+    preempted_at = next(i for i, scheduled in enumerate(outputs_seen) if "req1" in scheduled.finished_request_ids)
     # req0 needs a third block once its 33rd token is computed: req1, the latest, makes room.
-    assert plans[preempted_at].num_scheduled_tokens == {"req0": 1}
+    assert outputs_seen[preempted_at].num_scheduled_tokens == {"req0": 1}
     assert scheduler.num_preemptions == 1
-    resumed = next(r for plan in plans[preempted_at:] for r in plan.new_requests if r.request_id == "req1")
+    resumed = next(r for scheduled in outputs_seen[preempted_at:] for r in scheduled.new_requests if r.request_id == "req1")
     num_outputs_before = len(output_token_ids(outputs["req1"][: preempted_at]))
     assert resumed.output_token_ids == [1000 + k for k in range(num_outputs_before)]
     assert resumed.num_computed_tokens % 16 == 0
@@ -146,8 +146,8 @@ def test_a_request_that_cannot_be_admitted_stays_waiting():
     scheduler = create_scheduler(num_blocks=4, max_model_len=64)
     add_requests(scheduler, create_requests(2, 40, max_tokens=2))
     worker = FakeWorker(scheduler)
-    plan, _ = step(scheduler, worker)
-    assert set(plan.num_scheduled_tokens) == {"req0"}
+    scheduled, _ = step(scheduler, worker)
+    assert set(scheduled.num_scheduled_tokens) == {"req0"}
     assert scheduler.requests["req1"].status == RequestStatus.WAITING
     run_to_completion(scheduler, worker)
 
@@ -158,8 +158,8 @@ def test_priority_policy_preempts_the_lowest_priority_request():
     worker = FakeWorker(scheduler)
     preempted = []
     while scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
-        plan, _ = step(scheduler, worker)
-        preempted += [rid for rid in plan.finished_request_ids if rid in scheduler.requests]
+        scheduled, _ = step(scheduler, worker)
+        preempted += [rid for rid in scheduled.finished_request_ids if rid in scheduler.requests]
     assert preempted == ["req0"]  # arrived first, but its priority value is higher
 
 
@@ -169,8 +169,8 @@ def test_priority_policy_admits_lower_values_first_then_by_arrival():
     worker = FakeWorker(scheduler)
     order = []
     while scheduler.has_unfinished_requests():
-        plan, _ = step(scheduler, worker)
-        order += [r.request_id for r in plan.new_requests]
+        scheduled, _ = step(scheduler, worker)
+        order += [r.request_id for r in scheduled.new_requests]
     assert order == ["req1", "req3", "req2", "req0"]
     run_to_completion(scheduler, worker)
 
@@ -181,8 +181,8 @@ def test_fcfs_policy_ignores_priority():
     worker = FakeWorker(scheduler)
     order = []
     while scheduler.has_unfinished_requests():
-        plan, _ = step(scheduler, worker)
-        order += [r.request_id for r in plan.new_requests]
+        scheduled, _ = step(scheduler, worker)
+        order += [r.request_id for r in scheduled.new_requests]
     assert order == ["req0", "req1", "req2"]
     run_to_completion(scheduler, worker)
 
@@ -196,8 +196,8 @@ def test_abort_a_waiting_request():
     worker = FakeWorker(scheduler)
     step(scheduler, worker)
     scheduler.abort_requests(["req1"])
-    plan, outputs = step(scheduler, worker)
-    assert "req1" not in plan.finished_request_ids  # the workers never saw it
+    scheduled, outputs = step(scheduler, worker)
+    assert "req1" not in scheduled.finished_request_ids  # the workers never saw it
     assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs if o.request_id == "req1"] == [
         ("req1", "abort", [])
     ]
@@ -213,8 +213,8 @@ def test_abort_mid_prefill_frees_blocks_at_once():
     scheduler.abort_requests(["req0"])
     assert scheduler.kv_cache_manager.num_free_blocks == 20
     assert not scheduler.has_unfinished_requests() and scheduler.has_finished_requests()
-    plan, outputs = step(scheduler, worker)
-    assert plan.finished_request_ids == ["req0"] and plan.num_scheduled_tokens == {}
+    scheduled, outputs = step(scheduler, worker)
+    assert scheduled.finished_request_ids == ["req0"] and scheduled.num_scheduled_tokens == {}
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("req0", "abort")]
     assert not scheduler.has_finished_requests()
     run_to_completion(scheduler, worker)
@@ -224,10 +224,10 @@ def test_abort_while_the_step_runs():
     scheduler = create_scheduler()
     add_requests(scheduler, create_requests(2, 10))
     worker = FakeWorker(scheduler)
-    plan = scheduler.schedule()
-    runner_output = worker.execute(plan)
+    scheduled = scheduler.schedule()
+    runner_output = worker.execute(scheduled)
     scheduler.abort_requests(["req0"])
-    outputs = scheduler.update_from_output(plan, runner_output)
+    outputs = scheduler.update_from_output(scheduled, runner_output)
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("req0", "abort"), ("req1", None)]
     scheduler.abort_requests(["req1"])
     run_to_completion(scheduler, worker)
@@ -274,9 +274,9 @@ def test_second_request_sharing_a_64_token_prefix_reports_64_cached_tokens():
     worker = FakeWorker(scheduler)
     step(scheduler, worker)
     add_requests(scheduler, second)
-    plan, outputs = step(scheduler, worker)
-    (new,) = plan.new_requests
-    assert new.num_computed_tokens == 64 and plan.num_scheduled_tokens["second0"] == 4
+    scheduled, outputs = step(scheduler, worker)
+    (new,) = scheduled.new_requests
+    assert new.num_computed_tokens == 64 and scheduled.num_scheduled_tokens["second0"] == 4
     assert new.block_ids[:4] == scheduler.kv_cache_manager.get_block_ids("first0")[:4]
     assert next(o for o in outputs if o.request_id == "second0").num_cached_tokens == 64
     stats = scheduler.make_stats()
@@ -293,8 +293,8 @@ def test_a_prompt_equal_to_a_cached_one_still_computes_its_last_block():
     worker = FakeWorker(scheduler)
     run_to_completion(scheduler, worker)
     add_requests(scheduler, create_requests(1, prompt=prefix, max_tokens=1, id_prefix="b"))
-    plan, outputs = step(scheduler, worker)
-    assert plan.new_requests[0].num_computed_tokens == 48 and plan.num_scheduled_tokens == {"b0": 16}
+    scheduled, outputs = step(scheduler, worker)
+    assert scheduled.new_requests[0].num_computed_tokens == 48 and scheduled.num_scheduled_tokens == {"b0": 16}
     assert outputs[0].num_cached_tokens == 48
     run_to_completion(scheduler, worker)
 
@@ -329,8 +329,8 @@ def test_finished_request_frees_its_blocks_in_the_same_update():
     _, outputs = step(scheduler, worker)
     assert outputs[0].finish_reason == "stop"
     assert scheduler.kv_cache_manager.num_free_blocks == 10
-    plan, _ = step(scheduler, worker)
-    assert plan.finished_request_ids == ["req0"]
+    scheduled, _ = step(scheduler, worker)
+    assert scheduled.finished_request_ids == ["req0"]
 
 
 def test_logprobs_and_prompt_logprobs_are_attached_once():
@@ -374,9 +374,9 @@ def test_configs_must_be_resolved_and_the_cache_must_hold_one_full_request():
 
 def test_empty_step_and_stats():
     scheduler = create_scheduler(num_blocks=10, max_model_len=160)
-    plan = scheduler.schedule()
-    assert plan.total_num_scheduled_tokens == 0 and plan.step_id == 1
-    assert scheduler.update_from_output(plan, empty_runner_output(plan)) == []
+    scheduled = scheduler.schedule()
+    assert scheduled.total_num_scheduled_tokens == 0 and scheduled.step_id == 1
+    assert scheduler.update_from_output(scheduled, empty_runner_output(scheduled)) == []
     add_requests(scheduler, create_requests(3, 20, max_tokens=4))
     worker = FakeWorker(scheduler)
     step(scheduler, worker)

@@ -1,5 +1,5 @@
 """Random workloads on a small cache: preemption, chunking, shared prefixes and aborts
-at random moments, with the fake worker checking every plan and the pool checked every step."""
+at random moments, with the fake worker checking every scheduler output and the pool checked every step."""
 from __future__ import annotations
 
 import random

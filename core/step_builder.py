@@ -1,5 +1,5 @@
-"""One step's token budget, and the step plan (SchedulerOutput) built from it:
-new requests in full, then only what changed."""
+"""One step's token budget, and the SchedulerOutput built from it (what the
+workers run): new requests in full, then only what changed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,11 +25,11 @@ class StepBudget:
         self.token_budget -= num_tokens
 
 
-class PlanBuilder:
-    """Builds the step plan, sending each request in full once and then only its changes.
+class SchedulerOutputBuilder:
+    """Builds each SchedulerOutput, sending each request in full once and then only its changes.
 
     Remembers how many tokens of each request the workers hold; forgetting a
-    request queues its id in the next plan's finished_request_ids.
+    request queues its id in the next output's finished_request_ids.
     """
 
     def __init__(self) -> None:
