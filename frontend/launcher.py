@@ -178,7 +178,7 @@ class Launcher:
         """A child process, or with --data-parallel-backend ray an actor watched and stopped alike."""
         if self.config.parallel.data_parallel_backend != "ray":
             return processes.spawn("fleet.core.engine_core", name, info)
-        from fleet.workers.ray_executor import start_engine_actor
+        from fleet.core.ray_engine import start_engine_actor
 
         return start_engine_actor(self.config, name, msgspec.msgpack.encode(info))
 

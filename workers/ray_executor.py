@@ -14,8 +14,8 @@ import logging
 
 import msgspec
 
-from fleet.config import env
 from fleet.config.fleet import FleetConfig
+from fleet.parallel.ray_cluster import RayActorHandle, connect_ray, place_bundles
 from fleet.workers.executor import (
     MultiprocExecutor,
     ReplicaAddresses,
@@ -23,59 +23,6 @@ from fleet.workers.executor import (
     worker_name,
     worker_startup_info,
 )
-
-logger = logging.getLogger(__name__)
-
-
-def connect_ray(config: FleetConfig) -> None:
-    """Join the cluster at --ray-address (the launcher resolves it) or
-    RAY_ADDRESS from this process, once; without either (fleet.LLM), start a
-    local cluster that lives as long as this process."""
-    import ray
-
-    if not ray.is_initialized():
-        address = config.parallel.ray_address or env.ray_address()
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
-
-
-class RayActorHandle:
-    """An actor watched and stopped like a child process (processes.ChildProcess):
-    it is alive while its `run` call (the process's whole life) has not returned."""
-
-    def __init__(self, name: str, actor, run_ref):
-        self.name = name
-        self.actor = actor
-        self.run_ref = run_ref
-
-    def alive(self) -> bool:
-        import ray
-
-        done, _ = ray.wait([self.run_ref], timeout=0)
-        return not done
-
-    def describe_exit(self) -> str:
-        import ray
-
-        if self.alive():
-            return f"{self.name} (Ray actor) is running"
-        try:
-            ray.get(self.run_ref, timeout=0)
-        except Exception as error:  # noqa: BLE001 - the actor's failure, whatever it is, is the story
-            return f"{self.name} (Ray actor) died: {type(error).__name__}: {str(error)[:300]}"
-        return f"{self.name} (Ray actor) exited"
-
-    def terminate(self) -> None:
-        self.kill()
-
-    def kill(self) -> None:
-        import ray
-
-        ray.kill(self.actor, no_restart=True)
-
-    def wait(self, timeout: float) -> None:
-        import ray
-
-        ray.wait([self.run_ref], timeout=timeout)
 
 
 class RayExecutor(MultiprocExecutor):
@@ -121,51 +68,6 @@ class RayExecutor(MultiprocExecutor):
         self.ctx.destroy(linger=0)
 
 
-def place_bundles(config: FleetConfig, count: int):
-    """A placement group of one bundle per device, packed on as few nodes as
-    hold it; or a clear error naming what was asked and what is free."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    bundle = {"GPU": 1} if config.device.device == "cuda" else {"CPU": 1}
-    group = placement_group([bundle] * count, strategy="PACK")
-    timeout = config.parallel.distributed_timeout_seconds
-    try:
-        ray.get(group.ready(), timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
-        raise RuntimeError(
-            f"Ray could not place {count} workers of {bundle} within {timeout} s "
-            f"(--distributed-timeout-seconds): the cluster has {_resources(ray.available_resources())} free "
-            f"of {_resources(ray.cluster_resources())}"
-        ) from None
-    return group
-
-
-def start_engine_actor(config: FleetConfig, name: str, info_bytes: bytes) -> RayActorHandle:
-    """--data-parallel-backend ray: an engine core as an actor in its own
-    placement group (its replica's bundles; the engine takes no CPU of its
-    own), on whichever node has room. Its workers go in the same group."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    group = place_bundles(config, config.parallel.replica_size)
-    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
-                                                placement_group_capture_child_tasks=True)
-    actor = ray.remote(EngineActor).options(num_cpus=0, scheduling_strategy=strategy).remote()
-    return RayActorHandle(name, actor, actor.run.remote(name, info_bytes))
-
-
-class EngineActor:
-    """The body of an engine-core actor: the actor process is the engine-core process."""
-
-    def run(self, name: str, info: bytes) -> None:
-        from fleet.core.engine_core import EngineCoreProcess, EngineCoreStartupInfo
-
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
-        EngineCoreProcess(name, msgspec.msgpack.decode(info, type=EngineCoreStartupInfo)).run()
-
-
 class WorkerActor:
     """The body of a worker actor: the actor process is the worker process."""
 
@@ -175,9 +77,3 @@ class WorkerActor:
 
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
         serve_worker(name, msgspec.msgpack.decode(info, type=WorkerStartupInfo))
-
-
-def _resources(resources: dict) -> str:
-    shown = {key: value for key, value in resources.items() if key in ("CPU", "GPU")}
-    return ", ".join(f"{value:g} {key}" for key, value in sorted(shown.items())) or "nothing"
-
