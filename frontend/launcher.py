@@ -28,7 +28,8 @@ from fleet.frontend.plan import (
 from fleet.parallel.dims import node_engine_ranks, replicas_served_from_elsewhere, runs_dp_coordinator
 
 if TYPE_CHECKING:
-    from fleet.parallel.job_store import Heartbeat, JobStore
+    from fleet.frontend.node_watch import Heartbeat
+    from fleet.parallel.job_store import JobStore
 
 
 logger = logging.getLogger("fleet.launch")
@@ -55,8 +56,7 @@ class Launcher:
             self._start()
         except (processes.ChildFailed, processes.StartupTimeout, processes.NodeMissing, OSError) as error:
             logger.error("start-up failed: %s", error)
-            if self.job is not None:
-                self.job.report_failure(f"start-up failed: {error}")
+            self._tell_other_nodes(f"start-up failed: {error}")
             self._stop_all(timeout=2.0)
             return 1
         elapsed = time.monotonic() - start
@@ -81,16 +81,24 @@ class Launcher:
             ctx.destroy(linger=0)
 
     def _join_job(self) -> JobStore:
-        from fleet.parallel.job_store import Heartbeat, JobStore  # imports torch: multi-node launches only
+        from fleet.frontend import node_watch  # imports torch: multi-node launches only
+        from fleet.parallel.job_store import JobStore
 
         parallel = self.config.parallel
         role = "serves HTTP" if not parallel.headless else "headless"
         logger.info("node %d of %d (%s): meeting at %s:%d", parallel.node_rank, parallel.nnodes, role,
                     parallel.master_addr, parallel.master_port)
         job = JobStore.for_launcher(parallel)
-        job.join()
-        self.heartbeat = Heartbeat(parallel)
+        node_watch.join(job)
+        self.heartbeat = node_watch.Heartbeat(JobStore.client(parallel))
         return job
+
+    def _tell_other_nodes(self, failure: str) -> None:
+        """Multi-node launches: node 0 need not wait for this node's silence."""
+        if self.job is not None:
+            from fleet.frontend import node_watch
+
+            node_watch.report_failure(self.job, failure)
 
     def _join_ray(self) -> None:
         """Join the Ray cluster (--ray-address, else RAY_ADDRESS), or start a
@@ -196,8 +204,7 @@ class Launcher:
             dead = [child for child in self.children if not child.alive()]
             if dead:
                 failure = "; ".join(child.describe_exit() for child in dead)
-                if self.job is not None:  # node 0 need not wait for this node's silence
-                    self.job.report_failure(failure)
+                self._tell_other_nodes(failure)
                 return self._stop_after(failure)
             if self.heartbeat is not None and self.heartbeat.lost is not None:
                 return self._stop_after(str(self.heartbeat.lost))

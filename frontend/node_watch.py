@@ -1,0 +1,97 @@
+"""How the launchers of a multi-node job watch each other through the job
+store (parallel/job_store.py): each node announces itself and node 0 waits
+for all of them; each beats a heartbeat from a thread of its own and node 0
+watches every beat; a node going down says so first, so that a dead node
+takes the job down everywhere."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch.distributed as dist
+
+from fleet.core.processes import NodeMissing
+from fleet.parallel.job_store import JobStore
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+NODE_SILENCE_LIMIT_S = 3.0
+"""A node whose heartbeat stood still this long is taken for dead: a machine
+that vanishes is noticed within 3.5 s. A node that fails on its own says so
+(report_failure) and is noticed within one beat."""
+
+
+def join(job: JobStore) -> None:
+    """Announce this node; node 0 waits for every other one (under
+    --distributed-timeout-seconds) and names those that never came."""
+    parallel, store = job.parallel, job.store
+    store.set(f"node/{job.node_rank}", "joined")
+    if job.node_rank != 0:
+        return
+    deadline = time.monotonic() + parallel.distributed_timeout_seconds
+    others = range(1, parallel.nnodes)
+    while missing := [rank for rank in others if not store.check([f"node/{rank}"])]:
+        if time.monotonic() > deadline:
+            raise NodeMissing(
+                f"node ranks {missing} did not join within {parallel.distributed_timeout_seconds} s "
+                f"(--distributed-timeout-seconds) at {parallel.master_addr}:{parallel.master_port}"
+            )
+        time.sleep(0.2)
+    logger.info("all %d nodes joined", parallel.nnodes)
+
+
+def report_failure(job: JobStore, reason: str) -> None:
+    """Tell node 0 that this node is going down, so that it need not wait for the silence."""
+    try:
+        job.store.set(f"failed/{job.node_rank}", reason[:500])
+    except (RuntimeError, dist.DistStoreError):
+        pass  # node 0 is gone already
+
+
+class Heartbeat:
+    """Beats for this node from a thread of its own, from the moment the node
+    joined, so that a launcher busy starting or supervising never falls
+    silent; on node 0 it also watches the others. The first loss is kept in
+    `lost` for the launcher to act on."""
+
+    def __init__(self, job: JobStore):
+        self.job = job  # its own connection: the launcher's is used from the launcher's thread
+        self.lost: NodeMissing | None = None
+        self._beats_seen: dict[int, tuple[int, float]] = {}
+        threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True).start()
+
+    def _run(self) -> None:
+        """Until a loss; the thread dies with the launcher."""
+        while True:
+            time.sleep(HEARTBEAT_INTERVAL_S)
+            try:
+                self._beat()
+            except NodeMissing as error:
+                self.lost = error
+                return
+
+    def _beat(self) -> None:
+        """Show this node alive; node 0 also checks everyone else's beat.
+        Raises NodeMissing for a silent node, or when node 0 (the store) is gone."""
+        parallel, store = self.job.parallel, self.job.store
+        try:
+            store.add(f"beat/{self.job.node_rank}", 1)
+            if self.job.node_rank == 0:
+                self._check_beats()
+        except (RuntimeError, dist.DistStoreError) as error:
+            where = f"{parallel.master_addr}:{parallel.master_port}"
+            raise NodeMissing(f"lost node 0's job store at {where}: {error}") from error
+
+    def _check_beats(self) -> None:
+        store, now = self.job.store, time.monotonic()
+        for rank in range(1, self.job.parallel.nnodes):
+            if store.check([f"failed/{rank}"]):
+                raise NodeMissing(f"node {rank} failed: {store.get(f'failed/{rank}').decode()}")
+            count = store.add(f"beat/{rank}", 0)
+            last_count, since = self._beats_seen.get(rank, (-1, now))
+            if count != last_count:
+                self._beats_seen[rank] = (count, now)
+            elif now - since > NODE_SILENCE_LIMIT_S:
+                raise NodeMissing(f"node {rank} stopped answering (no heartbeat for {NODE_SILENCE_LIMIT_S:.0f} s)")
