@@ -31,7 +31,7 @@ from fleet.core.messages import (
     UtilityCall,
     UtilityResult,
 )
-from fleet.parallel.dims import node_engine_ranks
+from fleet.core.process_names import engine_core_name
 
 logger = logging.getLogger(__name__)
 
@@ -98,19 +98,15 @@ class EngineClient:
 
     def start_engines(self) -> None:
         """Spawn this node's engine cores and wait for Ready from each (one deadline)."""
-        from fleet.core.engine_core import EngineCoreStartupInfo
+        from fleet.core.engine_launch import start_engine_cores
 
         handshake = processes.HandshakeListener(self.ctx)
         try:
-            for dp_rank in node_engine_ranks(self.config.parallel):
-                info = EngineCoreStartupInfo(
-                    config=self.config,
-                    dp_rank=dp_rank,
-                    handshake_address=handshake.address,
-                    input_addresses=[self.requests.getsockopt_string(zmq.LAST_ENDPOINT)],
-                    output_addresses=[self.outputs.getsockopt_string(zmq.LAST_ENDPOINT)],
-                )
-                self.engines.append(processes.spawn("fleet.core.engine_core", f"fleet-engine-dp{dp_rank}", info))
+            self.engines.extend(start_engine_cores(
+                self.config, handshake.address,
+                input_addresses=[self.requests.getsockopt_string(zmq.LAST_ENDPOINT)],
+                output_addresses=[self.outputs.getsockopt_string(zmq.LAST_ENDPOINT)],
+            ))
             ready = handshake.wait_all(self.engines, self.config.parallel.distributed_timeout_seconds)
         except Exception:
             handshake.close()
@@ -137,7 +133,8 @@ class EngineClient:
             identity, hello = self.requests.recv_multipart()
             self.engine_identities.append(identity)
             if not self.engines and int(hello):  # not our children: watch them by the pid they said hello with
-                self.foreign_engines.append(processes.ForeignProcess(f"fleet-engine-dp{int.from_bytes(identity, 'little')}", int(hello)))
+                name = engine_core_name(int.from_bytes(identity, "little"))
+                self.foreign_engines.append(processes.ForeignProcess(name, int(hello)))
         self.engine_identities.sort()
 
     # ---- requests -------------------------------------------------------------------------

@@ -10,14 +10,14 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-import msgspec
 import zmq
 
 from fleet.config import env
 from fleet.config.fleet import FleetConfig
 from fleet.core import processes
 from fleet.core.dp_coordinator import CoordinatorAddresses, CoordinatorStartupInfo
-from fleet.core.engine_core import EngineCoreStartupInfo
+from fleet.core.engine_launch import start_engine_cores
+from fleet.core.process_names import API_SERVER_PREFIX, DP_COORDINATOR, api_server_name
 from fleet.frontend.api_server import APIServerStartupInfo, listening_socket
 from fleet.frontend.plan import (
     api_server_addresses,
@@ -25,7 +25,7 @@ from fleet.frontend.plan import (
     engines_per_api_server,
     engines_use_coordinator,
 )
-from fleet.parallel.dims import node_engine_ranks, replicas_served_from_elsewhere, runs_dp_coordinator
+from fleet.parallel.dims import replicas_served_from_elsewhere, runs_dp_coordinator
 
 if TYPE_CHECKING:
     from fleet.frontend.node_watch import Heartbeat
@@ -125,7 +125,7 @@ class Launcher:
         addresses, and lock-step workers the port of the store it hosts."""
         addresses = coordinator_addresses(self.config.parallel)
         info = CoordinatorStartupInfo(self.config, handshake.address, addresses)
-        child = processes.spawn("fleet.core.dp_coordinator", "fleet-dp-coordinator", info)
+        child = processes.spawn("fleet.core.dp_coordinator", DP_COORDINATOR, info)
         self.children.append(child)
         ready = handshake.wait_all([child], self.config.parallel.distributed_timeout_seconds)[child.name]
         parallel = self.config.parallel
@@ -139,7 +139,6 @@ class Launcher:
         self, handshake: processes.HandshakeListener, coordinator: CoordinatorAddresses | None
     ) -> None:
         config, frontend = self.config, self.config.frontend
-        engine_ranks = node_engine_ranks(config.parallel)
         if coordinator is None and config.parallel.replicas_step_together:
             coordinator = coordinator_addresses(config.parallel)  # on the launch of rank 0: connect there
         engines_coordinator = coordinator if engines_use_coordinator(config.parallel) else None
@@ -158,18 +157,10 @@ class Launcher:
                 config, index, addresses, engines_per_api_server(config.parallel), http.fileno(), handshake.address,
                 load_address,
             )
-            name = f"fleet-api-{index}"
+            name = api_server_name(index)
             started.append(processes.spawn("fleet.frontend.api_server", name, info, pass_fds=(http.fileno(),)))
-        for dp_rank in engine_ranks:
-            info = EngineCoreStartupInfo(
-                config=config,
-                dp_rank=dp_rank,
-                handshake_address=handshake.address,
-                input_addresses=[c.requests for c in clients],
-                output_addresses=[c.outputs for c in clients],
-                coordinator=engines_coordinator,
-            )
-            started.append(self._start_engine(f"fleet-engine-dp{dp_rank}", info))
+        started.extend(start_engine_cores(config, handshake.address, [c.requests for c in clients],
+                                          [c.outputs for c in clients], engines_coordinator))
         self.children.extend(started)
         self._start_workers_of_remote_engines()
         ready = handshake.wait_all(started, config.parallel.distributed_timeout_seconds)
@@ -181,14 +172,6 @@ class Launcher:
                 concurrency = capacity.num_tokens / config.model.max_model_len
                 logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name,
                             capacity.num_tokens, concurrency, config.model.max_model_len)
-
-    def _start_engine(self, name: str, info: EngineCoreStartupInfo) -> processes.ChildProcess:
-        """A child process, or with --data-parallel-backend ray an actor watched and stopped alike."""
-        if self.config.parallel.data_parallel_backend != "ray":
-            return processes.spawn("fleet.core.engine_core", name, info)
-        from fleet.core.ray_engine import start_engine_actor
-
-        return start_engine_actor(self.config, name, msgspec.msgpack.encode(info))
 
     def _start_workers_of_remote_engines(self) -> None:
         """Workers on this node of replicas whose engine core runs on another
@@ -228,7 +211,7 @@ class Launcher:
         the API servers see them gone and fail what is in flight with an
         error instead of leaving it hanging. SIGKILL whatever is left 2 s
         after its SIGTERM."""
-        api_servers = [child for child in self.children if child.name.startswith("fleet-api-")]
+        api_servers = [child for child in self.children if child.name.startswith(API_SERVER_PREFIX)]
         others = [child for child in self.children if child not in api_servers]
         order = ((others, 2.0), (api_servers, timeout)) if engines_first else ((api_servers, timeout), (others, 2.0))
         for group, grace in order:

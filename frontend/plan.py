@@ -10,6 +10,7 @@ from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
 from fleet.core import ipc
 from fleet.core.dp_coordinator import CoordinatorAddresses
+from fleet.core.process_names import DP_COORDINATOR, api_server_name, engine_core_name, worker_name
 from fleet.frontend.engine_client import ClientAddresses
 from fleet.parallel.dims import (
     coord_of,
@@ -83,15 +84,15 @@ def node_processes(config: FleetConfig) -> list[dict[str, Any]]:
     if runs_api_servers(parallel):
         url = f"http://{config.frontend.host}:{config.frontend.port}"
         for index in range(config.frontend.api_server_count):
-            processes.append({"kind": "api_server", "name": f"fleet-api-{index}", "index": index, "url": url})
+            processes.append({"kind": "api_server", "name": api_server_name(index), "index": index, "url": url})
     if runs_dp_coordinator(parallel):
-        processes.append({"kind": "dp_coordinator", "name": "fleet-dp-coordinator"})
+        processes.append({"kind": "dp_coordinator", "name": DP_COORDINATOR})
     for dp_rank in node_engine_ranks(parallel):
         first = dp_rank * parallel.replica_size
         processes.append(
             {
                 "kind": "engine_core",
-                "name": f"fleet-engine-dp{dp_rank}",
+                "name": engine_core_name(dp_rank),
                 "dp_rank": dp_rank,
                 "workers": list(range(first, first + parallel.replica_size)),
                 "executor": parallel.distributed_executor_backend,
@@ -103,7 +104,7 @@ def node_processes(config: FleetConfig) -> list[dict[str, Any]]:
         processes.append(
             {
                 "kind": "worker",
-                "name": f"fleet-worker-dp{coord.dp}-pp{coord.pp}-tp{coord.tp}",
+                "name": worker_name(coord.dp, coord.pp, coord.tp),
                 "rank": rank,
                 "local_rank": local_rank,
                 "dp_rank": coord.dp,

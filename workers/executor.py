@@ -18,7 +18,7 @@ import zmq
 
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
-from fleet.core import ipc, processes, serial
+from fleet.core import ipc, process_names, processes, serial
 from fleet.core.messages import (
     KVCapacity,
     ModelRunnerOutput,
@@ -300,7 +300,7 @@ def replica_ranks(parallel: ParallelConfig, dp_rank: int) -> range:
 
 def worker_name(parallel: ParallelConfig, rank: int) -> str:
     coord = coord_of(parallel, rank)
-    return f"fleet-worker-dp{coord.dp}-pp{coord.pp}-tp{coord.tp}"
+    return process_names.worker_name(coord.dp, coord.pp, coord.tp)
 
 
 def _node_address(parallel: ParallelConfig) -> str:

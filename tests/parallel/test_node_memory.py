@@ -1,7 +1,8 @@
-"""The node's memory plan, end to end: launches of 8 workers with default
-memory flags start and serve on this machine, every worker gets the KV cache
-that `fleet plan` shows, a KV cache holds RAM only as it fills, and a launch
-that cannot fit is refused before anything starts."""
+"""The node's plan, end to end: launches of 8 workers with default memory
+flags start exactly the processes `fleet plan` shows and serve on this
+machine, every worker gets the KV cache that `fleet plan` shows, a KV cache
+holds RAM only as it fills, and a launch that cannot fit is refused before
+anything starts."""
 from __future__ import annotations
 
 import json
@@ -29,7 +30,8 @@ LAYOUTS = [
 
 
 def planned(model_dir: str, layout: tuple[str, ...], kv_layout: dict) -> dict:
-    """`fleet plan`'s memory for this layout, and the KV blocks each replica gets from it."""
+    """`fleet plan`'s memory for this layout, the KV blocks each replica gets
+    from it, and the names of the processes it plans."""
     done = subprocess.run([sys.executable, "-P", "-m", "fleet.frontend.cli", "plan", model_dir, *layout, *TINY],
                           capture_output=True, text=True, timeout=120, check=True)
     plan = json.loads(done.stdout)
@@ -37,7 +39,14 @@ def planned(model_dir: str, layout: tuple[str, ...], kv_layout: dict) -> dict:
     memory = plan["memory"]
     assert all(w["kv_cache_bytes"] == memory["per_worker"]["kv_cache"] for w in workers)
     config = EngineArgs(model=model_dir, dtype="float32", device="cpu", **kv_layout).create_config()
-    return {**memory, "blocks": memory["per_worker"]["kv_cache"] // kv_bytes_per_block(config)}
+    blocks = memory["per_worker"]["kv_cache"] // kv_bytes_per_block(config)
+    return {**memory, "blocks": blocks, "names": sorted(p["name"] for p in plan["processes"])}
+
+
+def launched_names(server: Server) -> list[str]:
+    """The --name of every process the launch started (each says it on its command line)."""
+    command_lines = [p.cmdline() for p in server.descendants]
+    return sorted(line[line.index("--name") + 1] for line in command_lines if "--name" in line)
 
 
 def tree_rss(server: Server) -> int:
@@ -52,6 +61,7 @@ def test_eight_workers_with_default_memory_flags_serve(request, model_fixture, l
     server = Server(model_dir, *layout, *TINY)
     try:
         assert len(server.children_named("fleet-worker-")) == 8
+        assert launched_names(server) == plan["names"], "the launch started what `fleet plan` showed"
         assert_greedy_over_http(server, model_dir, count=8, seed=3)
         blocks = [int(b) for b in re.findall(r"KV cache of (\d+) blocks", "".join(server.log))]
         assert blocks == [plan["blocks"]] * 2, "each replica's workers got the planned budget"

@@ -1,0 +1,45 @@
+"""Starting this node's engine cores, for the launcher and for fleet.LLM
+alike: one child process per replica, or with --data-parallel-backend ray
+one actor per replica, watched and stopped the same way."""
+from __future__ import annotations
+
+import msgspec
+
+from fleet.config.fleet import FleetConfig
+from fleet.core import processes
+from fleet.core.dp_coordinator import CoordinatorAddresses
+from fleet.core.engine_core import EngineCoreStartupInfo
+from fleet.core.process_names import engine_core_name
+from fleet.parallel.dims import node_engine_ranks
+
+
+def start_engine_cores(
+    config: FleetConfig,
+    handshake_address: str,
+    input_addresses: list[str],
+    output_addresses: list[str],
+    coordinator: CoordinatorAddresses | None = None,
+) -> list[processes.ChildProcess]:
+    """Every engine core this node runs (one per local data-parallel rank),
+    each told its clients' sockets (one ROUTER and one PULL per API server or
+    LLM) and the coordinator's; they report Ready to `handshake_address`."""
+    started = []
+    for dp_rank in node_engine_ranks(config.parallel):
+        info = EngineCoreStartupInfo(
+            config=config,
+            dp_rank=dp_rank,
+            handshake_address=handshake_address,
+            input_addresses=input_addresses,
+            output_addresses=output_addresses,
+            coordinator=coordinator,
+        )
+        started.append(_start(config, engine_core_name(dp_rank), info))
+    return started
+
+
+def _start(config: FleetConfig, name: str, info: EngineCoreStartupInfo) -> processes.ChildProcess:
+    if config.parallel.data_parallel_backend != "ray":
+        return processes.spawn("fleet.core.engine_core", name, info)
+    from fleet.core.ray_engine import start_engine_actor  # ray is an optional dependency
+
+    return start_engine_actor(config, name, msgspec.msgpack.encode(info))
