@@ -14,9 +14,11 @@ KV cache of one layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -94,12 +96,10 @@ class AttentionMetadata:
         """Per new token: its sequence, and how many tokens it attends to (its
         position + 1), both int32 [num_tokens]. Built on first use, once per
         step: every layer reuses them."""
-        q_lens = torch.tensor(self.query_lens, dtype=torch.int64)
-        s_lens = torch.tensor(self.seq_lens_list, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(len(self.query_lens)), q_lens)
-        kv_lens = token_positions(q_lens, s_lens) + 1
+        seq_index = np.repeat(np.arange(len(self.query_lens), dtype=np.int32), self.query_lens)
+        kv_lens = (token_positions(self.query_lens, self.seq_lens_list) + 1).astype(np.int32)
         device = self.seq_lens.device
-        return seq_index.to(device=device, dtype=torch.int32), kv_lens.to(device=device, dtype=torch.int32)
+        return torch.from_numpy(seq_index).to(device), torch.from_numpy(kv_lens).to(device)
 
     @classmethod
     def build(
@@ -110,44 +110,46 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Metadata from host lists; the decode prefix is counted from `query_lens`.
-
-        Slot mapping is computed with tensor ops (no per-token Python loop).
-        """
+        """Metadata from host lists, the one builder (the model runner's step
+        batch and the tests use it alike); the decode prefix is counted from
+        `query_lens`. Computed with numpy on the host, no per-token Python
+        loop, then moved to `device`."""
         assert len(query_lens) == len(seq_lens) == len(block_tables), (len(query_lens), len(seq_lens))
         num_decode_seqs = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
         width = max((len(table) for table in block_tables), default=0) or 1
-        padded = [table + [0] * (width - len(table)) for table in block_tables]
-        tables = torch.tensor(padded, dtype=torch.int32).view(len(block_tables), width)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
-        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=starts[1:])
-        positions = token_positions(q_lens, s_lens)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        blocks = tables[seq_of_token, positions // block_size].to(torch.int64)
-        slots = blocks * block_size + positions % block_size
+        tables = np.zeros((len(block_tables), width), dtype=np.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        positions = token_positions(query_lens, seq_lens)
+        seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+        slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=starts[1:])
+
+        def to(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device, non_blocking=True)
+
         return cls(
-            slot_mapping=slots.to(device),
-            query_start_loc=starts.to(torch.int32).to(device),
-            seq_lens=s_lens.to(torch.int32).to(device),
-            block_tables=tables.to(device),
+            slot_mapping=to(slots),
+            query_start_loc=to(starts),
+            seq_lens=to(np.asarray(seq_lens, dtype=np.int32)),
+            block_tables=to(tables),
             query_lens=list(query_lens),
             seq_lens_list=list(seq_lens),
             num_decode_seqs=num_decode_seqs,
         )
 
 
-def token_positions(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+def token_positions(query_lens: Sequence[int], seq_lens: Sequence[int]) -> np.ndarray:
     """Position in its sequence of every new token: int64 [num_tokens].
 
     The new tokens of a sequence are its last `query_len` ones.
     """
-    context_lens = seq_lens - query_lens  # [num_seqs]
-    starts = torch.cumsum(query_lens, 0) - query_lens  # [num_seqs]
-    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=query_lens.device), query_lens)
-    offset_in_query = torch.arange(int(query_lens.sum()), device=query_lens.device) - starts[seq_of_token]
-    return context_lens[seq_of_token] + offset_in_query
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    s_lens = np.asarray(seq_lens, dtype=np.int64)
+    starts = np.cumsum(q_lens) - q_lens  # where each sequence's tokens start
+    # token j of sequence i sits at (s_i - q_i) + (j - start_i)
+    return np.arange(int(q_lens.sum()), dtype=np.int64) + np.repeat(s_lens - q_lens - starts, q_lens)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from fleet.core.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from fleet.core.sampling_params import SamplingParams
+from fleet.kernels.attention import AttentionMetadata, token_positions
 
 
 @dataclass
@@ -47,15 +48,9 @@ class StepBatch:
 
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
-    seq_lens: torch.Tensor  # [num_reqs] int32
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    attention: AttentionMetadata
+    """Slots, block tables and lengths; decodes first, as the scheduler orders them."""
     requests: list[CachedRequestState]
-    query_lens: list[int]
-    seq_lens_list: list[int]
-    num_decode_seqs: int
-    """Leading requests with a query of one token (the scheduler orders them first)."""
 
 
 class CachedRequests:
@@ -95,8 +90,8 @@ class CachedRequests:
         state.num_computed_tokens = cached.num_computed_tokens
 
     def build_batch(self, scheduler_output: SchedulerOutput) -> StepBatch:
-        if not scheduler_output.num_scheduled_tokens:
-            return self._empty_batch()
+        """The step's flat tensors; no tokens is the forward a replica runs
+        only to join its peers' collectives."""
         requests = [self.states[request_id] for request_id in scheduler_output.num_scheduled_tokens]
         query_lens = list(scheduler_output.num_scheduled_tokens.values())
         starts = [state.num_computed_tokens for state in requests]
@@ -104,43 +99,14 @@ class CachedRequests:
         input_ids: list[int] = []
         for state, start, stop in zip(requests, starts, seq_lens):
             input_ids.extend(state.token_slice(start, stop))
-        positions = np.concatenate([np.arange(start, stop, dtype=np.int64) for start, stop in zip(starts, seq_lens)])
-        max_blocks = max(len(state.block_ids) for state in requests)
-        block_tables = np.zeros((len(requests), max_blocks), dtype=np.int32)
-        for i, state in enumerate(requests):
-            block_tables[i, : len(state.block_ids)] = state.block_ids
-        request_of_token = np.repeat(np.arange(len(requests)), query_lens)
-        slots = block_tables[request_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-        slots += positions % self.block_size
-        num_decode_seqs = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-        to = self._to_device
-        return StepBatch(
-            input_ids=to(np.asarray(input_ids, dtype=np.int64)),
-            positions=to(positions),
-            slot_mapping=to(slots),
-            query_start_loc=to(np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)),
-            seq_lens=to(np.asarray(seq_lens, dtype=np.int32)),
-            block_tables=to(block_tables),
-            requests=requests,
-            query_lens=query_lens,
-            seq_lens_list=seq_lens,
-            num_decode_seqs=num_decode_seqs,
+        attention = AttentionMetadata.build(
+            query_lens, seq_lens, [state.block_ids for state in requests], self.block_size, self.device
         )
-
-    def _empty_batch(self) -> StepBatch:
-        """No tokens: the forward a replica runs only to join its peers' collectives."""
-        to = self._to_device
         return StepBatch(
-            input_ids=to(np.zeros(0, dtype=np.int64)),
-            positions=to(np.zeros(0, dtype=np.int64)),
-            slot_mapping=to(np.zeros(0, dtype=np.int64)),
-            query_start_loc=to(np.zeros(1, dtype=np.int32)),
-            seq_lens=to(np.zeros(0, dtype=np.int32)),
-            block_tables=to(np.zeros((0, 1), dtype=np.int32)),
-            requests=[],
-            query_lens=[],
-            seq_lens_list=[],
-            num_decode_seqs=0,
+            input_ids=self._to_device(np.asarray(input_ids, dtype=np.int64)),
+            positions=self._to_device(token_positions(query_lens, seq_lens)),
+            attention=attention,
+            requests=requests,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

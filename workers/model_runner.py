@@ -8,7 +8,6 @@ import torch
 
 from fleet.config.fleet import FleetConfig
 from fleet.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from fleet.kernels.attention import AttentionMetadata
 from fleet.parallel.comm import get_pp_group
 from fleet.workers.input_batch import CachedRequests, StepBatch
 from fleet.workers.sampler import SamplingRow, sample_isolating_failures, top_logprobs
@@ -59,15 +58,15 @@ class ModelRunner:
         if not self.stage.is_first:
             shape = (2, len(batch.input_ids), self.model.spec.hidden_size)  # hidden and residual
             intermediate = self.stage.recv_prev(shape, self.dtype, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self._attention_metadata(batch), intermediate)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention, intermediate)
         if not self.stage.is_last:
             self.stage.send_next(hidden)
             return None
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        sampling = [i for i, state in enumerate(batch.requests) if batch.seq_lens_list[i] >= state.num_tokens]
+        sampling = [i for i, state in enumerate(batch.requests) if batch.attention.seq_lens_list[i] >= state.num_tokens]
         if not sampling:
             return ModelRunnerOutput(step_id, [], [], None, prompt_logprobs) if self.is_driver else None
-        last_token_index = batch.query_start_loc[1:][sampling].long() - 1
+        last_token_index = batch.attention.query_start_loc[1:][sampling].long() - 1
         logits = self.model.compute_logits(hidden[last_token_index])  # collective over the TP group
         if not self.is_driver:  # only the driver (tensor rank 0) received the logits
             return None
@@ -85,17 +84,6 @@ class ModelRunner:
             failed={request_ids[i]: error for i, error in errors.items()},
         )
 
-    def _attention_metadata(self, batch: StepBatch) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=batch.slot_mapping,
-            query_start_loc=batch.query_start_loc,
-            seq_lens=batch.seq_lens,
-            block_tables=batch.block_tables,
-            query_lens=batch.query_lens,
-            seq_lens_list=batch.seq_lens_list,
-            num_decode_seqs=batch.num_decode_seqs,
-        )
-
     def _sampling_row(self, state) -> SamplingRow:
         params = state.params
         stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
@@ -106,7 +94,7 @@ class ModelRunner:
         this step's chunk predicts (hidden at position j predicts token j+1)."""
         result: dict[str, list[TokenLogprobs]] = {}
         offset = 0
-        for state, n, seq_len in zip(batch.requests, batch.query_lens, batch.seq_lens_list):
+        for state, n, seq_len in zip(batch.requests, batch.attention.query_lens, batch.attention.seq_lens_list):
             start = seq_len - n
             last_predicting = min(seq_len, state.num_prompt_tokens - 1)
             if state.params.prompt_logprobs is not None and start < last_predicting:

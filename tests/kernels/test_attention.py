@@ -86,4 +86,4 @@ def test_metadata_layout() -> None:
     # positions 4 | 0 | 4, 5, 6 -> slots 2*4+0 | 4*4+0 | 8*4+0, +1, +2
     assert meta.slot_mapping.tolist() == [8, 16, 32, 33, 34]
     assert meta.slot_mapping.dtype == torch.int64 and meta.seq_lens.dtype == torch.int32
-    assert token_positions(torch.tensor([1, 1, 3]), torch.tensor([5, 1, 7])).tolist() == [4, 0, 4, 5, 6]
+    assert token_positions([1, 1, 3], [5, 1, 7]).tolist() == [4, 0, 4, 5, 6]

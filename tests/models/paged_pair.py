@@ -71,7 +71,7 @@ def run_step(pair: Pair, plan: list[tuple[Seq, int]]) -> None:
     query_lens = [num_new for _, num_new in plan]
     seq_lens = [seq.num_computed + num_new for seq, num_new in plan]
     meta = AttentionMetadata.build(query_lens, seq_lens, [seq.block_ids for seq, _ in plan], BLOCK_SIZE)
-    positions = token_positions(torch.tensor(query_lens), torch.tensor(seq_lens))
+    positions = torch.from_numpy(token_positions(query_lens, seq_lens))
     hidden = pair.ours(torch.tensor(input_ids), positions, pair.kv_caches, meta)  # [T, hidden]
     logits = pair.ours.compute_logits(hidden)  # [T, vocab]
     assert logits.dtype == torch.float32 and logits.shape == (len(input_ids), pair.ours.spec.vocab_size)
