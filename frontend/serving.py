@@ -121,29 +121,22 @@ class Serving:
 
     async def completion_stream(self, request: CompletionRequest, prepared: list[Prepared]) -> AsyncIterator[str]:
         base = {"id": random_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name}
-        outputs = []
+        outputs: list[RequestOutput] = []
         for prompt_index, p in enumerate(prepared):
-            cursors = [StreamCursor() for _ in range(p.params.n)]
-            state = None
-            async for state in self.engine.generate(p.prompt, p.prompt_token_ids, p.params, request.priority):
-                for sequence in state.output.outputs:
-                    step = cursors[sequence.index].advance(state, sequence)
-                    if step is None:
-                        continue
-                    text, first, end = step
-                    if request.echo and first == 0:
-                        text = (p.prompt or "") + text
-                    choice = {
-                        "index": prompt_index * request.n + sequence.index,
-                        "text": text,
-                        "logprobs": self._completion_logprobs(sequence, request.logprobs, first, end) if request.logprobs is not None else None,
-                        "finish_reason": sequence.finish_reason,
-                        "stop_reason": sequence.stop_reason,
-                    }
-                    yield _event({**base, "choices": [choice]})
-            assert state is not None
-            _raise_if_failed(state.output)
-            outputs.append(state.output)
+            async for sequence, text, first, end in self._sequence_updates(p, request.priority, outputs):
+                if request.echo and first == 0:
+                    text = (p.prompt or "") + text
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._completion_logprobs(sequence, request.logprobs, first, end)
+                choice = {
+                    "index": prompt_index * request.n + sequence.index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": sequence.finish_reason,
+                    "stop_reason": sequence.stop_reason,
+                }
+                yield _event({**base, "choices": [choice]})
         if request.stream_options and request.stream_options.include_usage:
             yield _event({**base, "choices": [], "usage": _usage(outputs)})
         yield "data: [DONE]\n\n"
@@ -177,33 +170,43 @@ class Serving:
         n = prepared.params.n
         for index in range(n):
             yield _event({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-        cursors = [StreamCursor() for _ in range(n)]
-        state = None
-        async for state in self.engine.generate(prepared.prompt, prepared.prompt_token_ids, prepared.params, request.priority):
-            for sequence in state.output.outputs:
-                step = cursors[sequence.index].advance(state, sequence)
-                if step is None:
-                    continue
-                text, first, end = step
-                logprobs = None
-                if request.logprobs:
-                    logprobs = {"content": self._chat_logprobs(sequence, request.top_logprobs or 0, first, end)}
-                choice = {
-                    "index": sequence.index,
-                    "delta": {"content": text} if text else {},
-                    "logprobs": logprobs,
-                    "finish_reason": sequence.finish_reason,
-                }
-                if sequence.finished:
-                    choice["stop_reason"] = sequence.stop_reason
-                yield _event({**base, "choices": [choice]})
-        assert state is not None
-        _raise_if_failed(state.output)
+        outputs: list[RequestOutput] = []
+        async for sequence, text, first, end in self._sequence_updates(prepared, request.priority, outputs):
+            logprobs = None
+            if request.logprobs:
+                logprobs = {"content": self._chat_logprobs(sequence, request.top_logprobs or 0, first, end)}
+            choice = {
+                "index": sequence.index,
+                "delta": {"content": text} if text else {},
+                "logprobs": logprobs,
+                "finish_reason": sequence.finish_reason,
+            }
+            if sequence.finished:
+                choice["stop_reason"] = sequence.stop_reason
+            yield _event({**base, "choices": [choice]})
         if request.stream_options and request.stream_options.include_usage:
-            yield _event({**base, "choices": [], "usage": _usage([state.output])})
+            yield _event({**base, "choices": [], "usage": _usage(outputs)})
         yield "data: [DONE]\n\n"
 
     # ---- pieces -------------------------------------------------------------------------------
+
+    async def _sequence_updates(
+        self, prepared: Prepared, priority: int, finished: list[RequestOutput]
+    ) -> AsyncIterator[tuple[CompletionOutput, str, int, int]]:
+        """The streaming loop of every endpoint: (sequence, new text, first
+        token, end token) each time one of the request's sequences has
+        something new to send. At the end the request's output is appended to
+        `finished`, or its failure raised."""
+        cursors = [StreamCursor() for _ in range(prepared.params.n)]
+        state = None
+        async for state in self.engine.generate(prepared.prompt, prepared.prompt_token_ids, prepared.params, priority):
+            for sequence in state.output.outputs:
+                step = cursors[sequence.index].advance(state, sequence)
+                if step is not None:
+                    yield (sequence, *step)
+        assert state is not None
+        _raise_if_failed(state.output)
+        finished.append(state.output)
 
     def _token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
