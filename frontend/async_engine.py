@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -15,7 +14,7 @@ from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.engine_client import ClientAddresses, EngineClient, EngineDeadError
 from fleet.frontend.load_balancer import LoadBalancer
 from fleet.frontend.metrics import Metrics
-from fleet.frontend.output_processor import RequestState, child_requests
+from fleet.frontend.output_processor import RequestState, RequestTracker, child_requests
 
 
 class ServerStopping(Exception):
@@ -44,9 +43,8 @@ class AsyncEngine:
                                    load_address, self._on_loads)
         self.client_index = client_index
         self.balancer: LoadBalancer | None = None
-        self._tracked: dict[str, tuple[_Tracked, int]] = {}  # engine request id -> (request, sequence index)
+        self._tracked: RequestTracker[_Tracked] = RequestTracker()
         metrics.tracked_requests.set_function(lambda: len(self._tracked))
-        self._lock = threading.Lock()
         self._ids = itertools.count()
         self._stopping: ServerStopping | None = None
 
@@ -73,9 +71,7 @@ class AsyncEngine:
         engine = self.balancer.pick(len(children))
         state = tracked.state
         try:  # from here on, whatever fails (a send, the client leaving) leaves nothing tracked
-            with self._lock:
-                for index, child in enumerate(children):
-                    self._tracked[child.request_id] = (tracked, index)
+            self._tracked.add(children, tracked)
             for child in children:
                 self.client.add_request(child, engine)
             dp_rank = self.balancer.dp_ranks[engine]
@@ -96,9 +92,7 @@ class AsyncEngine:
         finally:
             self.balancer.finished(engine, len(children))
             unfinished = [c.request_id for c, seq in zip(children, state.output.outputs) if not seq.finished]
-            with self._lock:
-                for child in children:
-                    self._tracked.pop(child.request_id, None)
+            self._tracked.remove(child.request_id for child in children)
             if unfinished and self.dead_reason is None:
                 self.client.abort(unfinished, engine)
 
@@ -108,14 +102,9 @@ class AsyncEngine:
         now = time.monotonic()
         if outputs.scheduler_stats is not None:
             self.metrics.observe_scheduler(outputs.scheduler_stats, outputs.engine_index)
-        with self._lock:
-            for output in outputs.outputs:
-                entry = self._tracked.get(output.request_id)
-                if entry is None:
-                    continue
-                tracked, index = entry
-                self._observe_timing(tracked, len(output.new_token_ids), now, outputs.engine_index)
-                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, (index, output))
+        for tracked, index, output in self._tracked.route(outputs.outputs):
+            self._observe_timing(tracked, len(output.new_token_ids), now, outputs.engine_index)
+            tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, (index, output))
 
     def _observe_timing(self, tracked: _Tracked, num_new: int, now: float, dp_rank: int) -> None:
         if not num_new:
@@ -132,17 +121,15 @@ class AsyncEngine:
             self.balancer.publish(loads)
 
     def _on_death(self, reason: str) -> None:
-        with self._lock:
-            for tracked, _ in self._tracked.values():
-                tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, (None, reason))
+        for tracked in self._tracked.all():
+            tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, (None, reason))
 
     def stop_unfinished(self, reason: str) -> None:
         """End every request in flight, and refuse new ones, with ServerStopping
         (they are aborted in the engines as their handlers leave)."""
         self._stopping = ServerStopping(reason)
-        with self._lock:
-            for tracked, _ in self._tracked.values():
-                tracked.queue.put_nowait((None, self._stopping))
+        for tracked in self._tracked.all():
+            tracked.queue.put_nowait((None, self._stopping))
 
     def shutdown(self) -> None:
         self.client.shutdown(timeout=0)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -12,7 +11,7 @@ from fleet.config.model import DEFAULT_MODEL
 from fleet.core.messages import EngineCoreOutputs
 from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.engine_client import EngineClient, EngineDeadError
-from fleet.frontend.output_processor import RequestOutput, RequestState, child_requests
+from fleet.frontend.output_processor import RequestOutput, RequestState, RequestTracker, child_requests
 from fleet.frontend.tokenizer import load_tokenizer
 from fleet.workers.memory import check_fits, node_memory
 
@@ -32,8 +31,7 @@ class LLM:
         if self.config.device.device == "cpu":
             check_fits(node_memory(self.config))  # refuse now what the OOM killer would end later
         self.tokenizer = load_tokenizer(self.config.model)
-        self._requests: dict[str, tuple[RequestState, int]] = {}  # engine request id -> (state, sequence index)
-        self._lock = threading.Lock()
+        self._requests: RequestTracker[RequestState] = RequestTracker()
         self._ids = itertools.count()
         self.client = EngineClient(self.config, self._on_outputs, self._on_death)
         self.client.start_engines()
@@ -60,9 +58,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            ids = [rid for rid, (state, _) in self._requests.items() if state.output.request_id == request_id]
-        self.client.abort(ids)
+        self.client.abort(self._requests.engine_ids(lambda state: state.output.request_id == request_id))
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return self.client.call_utility(method, *args)
@@ -89,9 +85,7 @@ class LLM:
         request_id = str(next(self._ids))
         state = RequestState(request_id, text, token_ids, params, self.tokenizer)
         children = child_requests(request_id, token_ids, params, time.time(), client_index=0)
-        with self._lock:
-            for index, child in enumerate(children):
-                self._requests[child.request_id] = (state, index)
+        self._requests.add(children, state)
         for child in children:
             self.client.add_request(child)
         return state
@@ -111,27 +105,21 @@ class LLM:
         return self.tokenizer
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """On the engine client's output thread: outputs fold into their requests here."""
         to_abort = []
-        with self._lock:
-            for output in outputs.outputs:
-                entry = self._requests.get(output.request_id)
-                if entry is None:
-                    continue
-                state, index = entry
-                if state.apply(index, output):
-                    to_abort.append(output.request_id)
-                if state.output.outputs[index].finished:
-                    del self._requests[output.request_id]
-                    if state.output.finished:
-                        state.done.set()
+        for state, index, output in self._requests.route(outputs.outputs):
+            if state.apply(index, output):
+                to_abort.append(output.request_id)
+            if state.output.outputs[index].finished:
+                self._requests.remove([output.request_id])
+                if state.output.finished:
+                    state.done.set()
         self.client.abort(to_abort)
 
     def _on_death(self, reason: str) -> None:
-        with self._lock:
-            for state, _ in self._requests.values():
-                state.fail(reason)
-                state.done.set()
-            self._requests.clear()
+        for state in self._requests.take_all():
+            state.fail(reason)
+            state.done.set()
 
     def _wait(self, states: list[RequestState], use_tqdm: bool) -> None:
         from tqdm import tqdm

@@ -7,7 +7,9 @@ each), so the engine only ever samples one sequence per request.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from fleet.core.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from fleet.core.sampling_params import SamplingParams
@@ -117,3 +119,58 @@ class RequestState:
             token_id: Logprob(value, rank, decode(token_id))
             for token_id, value, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks)
         }
+
+
+Tracked = TypeVar("Tracked")
+
+
+class RequestTracker(Generic[Tracked]):
+    """Which user request each engine request belongs to, for fleet.LLM and
+    the API server's AsyncEngine alike: engine (child) request id -> (what the
+    client tracks for the user request, sequence index). Thread-safe: the
+    engine client's output thread routes while callers add and remove."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_engine_id: dict[str, tuple[Tracked, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_engine_id)
+
+    def add(self, children: list[EngineCoreRequest], tracked: Tracked) -> None:
+        with self._lock:
+            for index, child in enumerate(children):
+                self._by_engine_id[child.request_id] = (tracked, index)
+
+    def remove(self, engine_request_ids: Iterable[str]) -> None:
+        with self._lock:
+            for request_id in engine_request_ids:
+                self._by_engine_id.pop(request_id, None)
+
+    def route(self, outputs: Iterable[EngineCoreOutput]) -> list[tuple[Tracked, int, EngineCoreOutput]]:
+        """Each output with its tracked request and sequence index; outputs
+        of requests no longer tracked (aborted, finished) are dropped."""
+        with self._lock:
+            return [
+                (*self._by_engine_id[output.request_id], output)
+                for output in outputs
+                if output.request_id in self._by_engine_id
+            ]
+
+    def engine_ids(self, picks: Callable[[Tracked], bool]) -> list[str]:
+        """The engine request ids of the tracked requests that `picks` picks."""
+        with self._lock:
+            return [request_id for request_id, (tracked, _) in self._by_engine_id.items() if picks(tracked)]
+
+    def take_all(self) -> list[Tracked]:
+        """Every tracked request once, and forget them all (the engines died)."""
+        with self._lock:
+            unique = {id(tracked): tracked for tracked, _ in self._by_engine_id.values()}
+            self._by_engine_id.clear()
+        return list(unique.values())
+
+    def all(self) -> list[Tracked]:
+        """Every tracked request once."""
+        with self._lock:
+            return list({id(tracked): tracked for tracked, _ in self._by_engine_id.values()}.values())
+

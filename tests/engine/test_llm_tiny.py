@@ -139,7 +139,7 @@ def test_abort_frees_blocks_at_once(llm_and_model):
     time.sleep(1.0)
     stats = llm.call_utility("kv_stats")
     assert stats["num_free_blocks"] < stats["num_blocks"], "the request should be running"
-    request_id = next(iter(llm._requests.values()))[0].output.request_id
+    request_id = llm._requests.all()[0].output.request_id
     llm.abort(request_id)
     thread.join(timeout=10)
     assert result["out"][0].outputs[0].finish_reason == "abort"
