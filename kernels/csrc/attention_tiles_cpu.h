@@ -340,11 +340,7 @@ void attend_tile(const Problem<T>& p, int64_t row_begin, int64_t tokens, int64_t
     const int64_t n = std::min(kTileKeys, max_len - t0);
     const T* keys[kTileKeys];
     const T* values[kTileKeys];
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t offset = cursor.next();
-      keys[j] = p.keys + offset;
-      values[j] = p.values + offset;
-    }
+    cursor.next_rows(n, p.keys, p.values, keys, values);
     for (int64_t j = n; j < kTileKeys; ++j) keys[j] = keys[n - 1];  // scored in groups; never read back
     for (int64_t j = 0; j < n; j += kScoreKeys) score_keys(s.qt.data(), keys + j, D, scale, s.scores.data() + j * kTileLanes);
     softmax_tile(s.scores.data(), n, t0, lens_v, s);

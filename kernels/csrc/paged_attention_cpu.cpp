@@ -318,11 +318,7 @@ void attend(const Problem<T>& p, int64_t query_row, int64_t head_begin, int64_t 
     }
     const T* krows_span[kTile];
     const T* vrows_span[kTile];
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t offset = rows_at.next();
-      krows_span[j] = p.keys + offset;
-      vrows_span[j] = p.values + offset;
-    }
+    rows_at.next_rows(n, p.keys, p.values, krows_span, vrows_span);
     for (int64_t h = 0; h < heads; ++h) {
       const T* krows[kTile];
       const T* vrows[kTile];

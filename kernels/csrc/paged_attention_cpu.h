@@ -36,6 +36,16 @@ struct TokenCursor {
     }
     return offset;
   }
+
+  // The next n tokens' rows in the keys and in the values of the cache.
+  template <typename T>
+  void next_rows(int64_t n, const T* keys, const T* values, const T** key_rows, const T** value_rows) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t offset = next();
+      key_rows[j] = keys + offset;
+      value_rows[j] = values + offset;
+    }
+  }
 };
 
 }  // namespace fleet_attention
