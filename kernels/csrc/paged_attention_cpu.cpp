@@ -39,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -399,14 +400,12 @@ void run(const Problem<T>& p, int64_t num_rows) {
   const int64_t max_threads = at::get_num_threads();
   const std::vector<WorkItem> items = plan_work(p, num_rows, max_threads);
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const bool has_tiles = num_items > 0 && items.front().tokens > 0;
   const int threads = static_cast<int>(std::min<int64_t>(max_threads, num_items));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     Scratch scratch(p.num_kv_heads, p.group, p.head_dim);
 #if FLEET_ATTENTION_TILES
-    std::vector<fleet_attention::TileScratch> tile_scratch;
-    if (has_tiles) tile_scratch.emplace_back(p.head_dim);
+    std::optional<fleet_attention::TileScratch> tile_scratch;  // sized on this thread's first tile
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) {
@@ -417,12 +416,12 @@ void run(const Problem<T>& p, int64_t num_rows) {
       }
 #if FLEET_ATTENTION_TILES
       if constexpr (fleet_attention::has_tiles<T>()) {
-        fleet_attention::attend_tile<T, kHeadDim>(p, w.row, w.tokens, w.head_begin, tile_scratch.front());
+        if (!tile_scratch) tile_scratch.emplace(p.head_dim);
+        fleet_attention::attend_tile<T, kHeadDim>(p, w.row, w.tokens, w.head_begin, *tile_scratch);
       }
 #endif
     }
   }
-  (void)has_tiles;
 }
 
 // Bounds of everything the kernel will index, checked before any read.
