@@ -1,7 +1,10 @@
 """Starting this node's engine cores, for the launcher and for fleet.LLM
 alike: one child process per replica, or with --data-parallel-backend ray
-one actor per replica, watched and stopped the same way."""
+one actor per replica, watched and stopped the same way; and, on a node of
+a multi-node job, the workers of replicas whose engine core runs elsewhere."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -10,7 +13,10 @@ from fleet.core import processes
 from fleet.core.dp_coordinator import CoordinatorAddresses
 from fleet.core.engine_core import EngineCoreStartupInfo
 from fleet.core.process_names import engine_core_name
-from fleet.parallel.dims import node_engine_ranks
+from fleet.parallel.dims import node_engine_ranks, replicas_served_from_elsewhere
+
+if TYPE_CHECKING:
+    from fleet.parallel.job_store import JobStore  # imports torch: multi-node launches only
 
 
 def start_engine_cores(
@@ -34,6 +40,20 @@ def start_engine_cores(
             coordinator=coordinator,
         )
         started.append(_start(config, engine_core_name(dp_rank), info))
+    return started
+
+
+def start_workers_of_remote_engines(config: FleetConfig, job: JobStore | None) -> list[processes.ChildProcess]:
+    """Workers on this node of replicas whose engine core runs on another
+    node: they report to that engine once it published its addresses in the
+    job store (the engine's executor starts the others itself)."""
+    from fleet.workers.executor import ReplicaAddresses, spawn_workers  # torch-free, but only multi-node needs it
+
+    started = []
+    for dp_rank in replicas_served_from_elsewhere(config.parallel):
+        assert job is not None, "replicas served from elsewhere exist only in multi-node jobs"
+        addresses = job.lookup(f"replica/{dp_rank}/executor", ReplicaAddresses)
+        started.extend(spawn_workers(config, dp_rank, addresses))
     return started
 
 

@@ -16,7 +16,7 @@ from fleet.config import env
 from fleet.config.fleet import FleetConfig
 from fleet.core import processes
 from fleet.core.dp_coordinator import CoordinatorAddresses, CoordinatorStartupInfo
-from fleet.core.engine_launch import start_engine_cores
+from fleet.core.engine_launch import start_engine_cores, start_workers_of_remote_engines
 from fleet.core.process_names import API_SERVER_PREFIX, DP_COORDINATOR, api_server_name
 from fleet.frontend.api_server import APIServerStartupInfo, listening_socket
 from fleet.frontend.plan import (
@@ -25,7 +25,7 @@ from fleet.frontend.plan import (
     engines_per_api_server,
     engines_use_coordinator,
 )
-from fleet.parallel.dims import replicas_served_from_elsewhere, runs_dp_coordinator
+from fleet.parallel.dims import runs_dp_coordinator
 
 if TYPE_CHECKING:
     from fleet.frontend.node_watch import Heartbeat
@@ -72,7 +72,8 @@ class Launcher:
         ctx = zmq.Context()
         # Engine actors placed by Ray may run on another machine: they report over TCP.
         ray_engines = self.config.parallel.data_parallel_backend == "ray"
-        handshake = processes.HandshakeListener(ctx, self.config.parallel.data_parallel_address if ray_engines else None)
+        tcp_host = self.config.parallel.data_parallel_address if ray_engines else None
+        handshake = processes.HandshakeListener(ctx, tcp_host)
         try:
             coordinator = self._start_coordinator(handshake) if runs_dp_coordinator(self.config.parallel) else None
             self._start_api_servers_and_engines(handshake, coordinator)
@@ -162,7 +163,7 @@ class Launcher:
         started.extend(start_engine_cores(config, handshake.address, [c.requests for c in clients],
                                           [c.outputs for c in clients], engines_coordinator))
         self.children.extend(started)
-        self._start_workers_of_remote_engines()
+        self.children.extend(start_workers_of_remote_engines(config, self.job))
         ready = handshake.wait_all(started, config.parallel.distributed_timeout_seconds)
         if http is not None:
             http.close()  # the API servers hold their own copies
@@ -172,15 +173,6 @@ class Launcher:
                 concurrency = capacity.num_tokens / config.model.max_model_len
                 logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name,
                             capacity.num_tokens, concurrency, config.model.max_model_len)
-
-    def _start_workers_of_remote_engines(self) -> None:
-        """Workers on this node of replicas whose engine core runs on another
-        node: they report to that engine once it published its addresses."""
-        from fleet.workers.executor import ReplicaAddresses, spawn_workers
-
-        for dp_rank in replicas_served_from_elsewhere(self.config.parallel):
-            addresses = self.job.lookup(f"replica/{dp_rank}/executor", ReplicaAddresses)
-            self.children.extend(spawn_workers(self.config, dp_rank, addresses))
 
     def _supervise(self) -> int:
         while self.stop_requested is None:
