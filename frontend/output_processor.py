@@ -165,12 +165,16 @@ class RequestTracker(Generic[Tracked]):
     def take_all(self) -> list[Tracked]:
         """Every tracked request once, and forget them all (the engines died)."""
         with self._lock:
-            unique = {id(tracked): tracked for tracked, _ in self._by_engine_id.values()}
+            tracked = self._each_once()
             self._by_engine_id.clear()
-        return list(unique.values())
+        return tracked
 
     def all(self) -> list[Tracked]:
         """Every tracked request once."""
         with self._lock:
-            return list({id(tracked): tracked for tracked, _ in self._by_engine_id.values()}.values())
+            return self._each_once()
+
+    def _each_once(self) -> list[Tracked]:
+        """The tracked requests, each once (a request with n > 1 has n engine ids); hold the lock."""
+        return list({id(tracked): tracked for tracked, _ in self._by_engine_id.values()}.values())
 

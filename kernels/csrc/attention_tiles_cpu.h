@@ -210,6 +210,22 @@ FLEET_TILE_INLINE void pack_value_pairs(const c10::BFloat16* const* values, int6
 
 // ---- values: O[r][c0, c0 + 16 NC) for NR rows -------------------------------------
 
+// O[r0, r0 + NR)[c0, c0 + 16 NC) = alpha[r] * O + what `add_tile` sums into
+// the accumulators (this tile's P V), which stay in registers meanwhile.
+template <int NR, int NC, typename AddTile>
+FLEET_TILE_INLINE void rescale_and_add(float* out, const float* alpha, int64_t D, int64_t r0, int64_t c0,
+                                       AddTile&& add_tile) {
+  __m512 acc[NR][NC];
+  for (int i = 0; i < NR; ++i) {
+    const __m512 a = _mm512_set1_ps(alpha[r0 + i]);
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(out + (r0 + i) * D + c0 + 16 * c), a);
+  }
+  add_tile(acc);
+  for (int i = 0; i < NR; ++i) {
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + (r0 + i) * D + c0 + 16 * c, acc[i][c]);
+  }
+}
+
 // O = alpha * O + P V with bf16 pairs of keys.
 struct PairedValues {
   float* out;
@@ -221,22 +237,16 @@ struct PairedValues {
   template <int NR, int NC>
   FLEET_TILE_INLINE void block(int64_t r0, int64_t c0) const {
 #if defined(__AVX512BF16__)
-    __m512 acc[NR][NC];
-    for (int i = 0; i < NR; ++i) {
-      const __m512 a = _mm512_set1_ps(alpha[r0 + i]);
-      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(out + (r0 + i) * D + c0 + 16 * c), a);
-    }
-    for (int64_t j = 0; j < pairs; ++j) {
-      __m512bh v[NC];
-      for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(values + j * D + c0 + 16 * c);
-      for (int i = 0; i < NR; ++i) {
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs[j * kTileLanes + r0 + i]));
-        for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], p, v[c]);
+    rescale_and_add<NR, NC>(out, alpha, D, r0, c0, [&](__m512 (&acc)[NR][NC]) {
+      for (int64_t j = 0; j < pairs; ++j) {
+        __m512bh v[NC];
+        for (int c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(values + j * D + c0 + 16 * c);
+        for (int i = 0; i < NR; ++i) {
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs[j * kTileLanes + r0 + i]));
+          for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], p, v[c]);
+        }
       }
-    }
-    for (int i = 0; i < NR; ++i) {
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + (r0 + i) * D + c0 + 16 * c, acc[i][c]);
-    }
+    });
 #endif
   }
 };
@@ -251,22 +261,16 @@ struct FloatValues {
 
   template <int NR, int NC>
   FLEET_TILE_INLINE void block(int64_t r0, int64_t c0) const {
-    __m512 acc[NR][NC];
-    for (int i = 0; i < NR; ++i) {
-      const __m512 a = _mm512_set1_ps(alpha[r0 + i]);
-      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(out + (r0 + i) * D + c0 + 16 * c), a);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 v[NC];
-      for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(values[j] + c0 + 16 * c);
-      for (int i = 0; i < NR; ++i) {
-        const __m512 p = _mm512_set1_ps(probs[j * kTileLanes + r0 + i]);
-        for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
+    rescale_and_add<NR, NC>(out, alpha, D, r0, c0, [&](__m512 (&acc)[NR][NC]) {
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 v[NC];
+        for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(values[j] + c0 + 16 * c);
+        for (int i = 0; i < NR; ++i) {
+          const __m512 p = _mm512_set1_ps(probs[j * kTileLanes + r0 + i]);
+          for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_fmadd_ps(p, v[c], acc[i][c]);
+        }
       }
-    }
-    for (int i = 0; i < NR; ++i) {
-      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + (r0 + i) * D + c0 + 16 * c, acc[i][c]);
-    }
+    });
   }
 };
 
