@@ -156,7 +156,8 @@ def main() -> None:
 def run_coordinator(name: str, info: CoordinatorStartupInfo) -> None:
     coordinator = processes.start_or_report(name, info.handshake_address,
                                             lambda: Coordinator(info.config, info.addresses))
-    processes.report(info.handshake_address, Ready(name, os.getpid(), addresses={"store_port": str(coordinator.store_port)}))
+    ready = Ready(name, os.getpid(), addresses={"store_port": str(coordinator.store_port)})
+    processes.report(info.handshake_address, ready)
     coordinator.run()
 
 

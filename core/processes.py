@@ -86,12 +86,17 @@ def report(handshake_address: str, message: Ready | StartupFailed) -> None:
 
 
 
+def log_as(name: str) -> None:
+    """This process's log lines, each naming the process (a child, a Ray actor or the launcher)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
+
+
 def child_main(info_type: type[Info], body: Callable[[str, Info], None]) -> None:
     """The whole of a child process's main(): its name from `--name`,
     logging that names it, death with its parent, its typed start-up info
     from stdin, then `body(name, info)`."""
     name = sys.argv[sys.argv.index("--name") + 1]
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
+    log_as(name)
     die_with_parent()
     body(name, read_startup_info(info_type))
 

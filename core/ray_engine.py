@@ -4,11 +4,10 @@ workers (workers/ray_executor.py) go in the same group. The actor's process
 is the engine-core process."""
 from __future__ import annotations
 
-import logging
-
 import msgspec
 
 from fleet.config.fleet import FleetConfig
+from fleet.core import processes
 from fleet.parallel.ray_cluster import RayActorHandle, place_bundles
 
 
@@ -32,5 +31,5 @@ class EngineActor:
     def run(self, name: str, info: bytes) -> None:
         from fleet.core.engine_core import EngineCoreProcess, EngineCoreStartupInfo
 
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
+        processes.log_as(name)
         EngineCoreProcess(name, msgspec.msgpack.decode(info, type=EngineCoreStartupInfo)).run()

@@ -214,5 +214,5 @@ class Launcher:
 
 
 def launch(config: FleetConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s fleet-launch %(message)s")
+    processes.log_as("fleet-launch")
     return Launcher(config).run()

@@ -10,11 +10,10 @@ to its actor as msgpack bytes.
 """
 from __future__ import annotations
 
-import logging
-
 import msgspec
 
 from fleet.config.fleet import FleetConfig
+from fleet.core import processes
 from fleet.parallel.ray_cluster import RayActorHandle, connect_ray, place_bundles
 from fleet.workers.executor import (
     MultiprocExecutor,
@@ -75,5 +74,5 @@ class WorkerActor:
         from fleet.workers.executor import WorkerStartupInfo
         from fleet.workers.worker import serve_worker
 
-        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(message)s")
+        processes.log_as(name)
         serve_worker(name, msgspec.msgpack.decode(info, type=WorkerStartupInfo))
