@@ -36,6 +36,7 @@ from fleet.core.messages import (
     StepVote,
     WaveWakeUp,
 )
+from fleet.core.node_plan import CoordinatorPlan, StoreLocation
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +44,10 @@ LOAD_PUBLISH_INTERVAL_S = 0.02
 """Load changes reach the API servers within this (batched, not one message per change)."""
 
 
-class CoordinatorAddresses(msgspec.Struct):
-    engine_inputs: str
-    """PULL: engines push their votes and loads here."""
-    engine_broadcast: str
-    """PUB: wake-ups and step decisions to every engine."""
-    loads: str
-    """PUB: the load table to the API servers of the coordinator's node."""
-
-
 class CoordinatorStartupInfo(msgspec.Struct):
     config: FleetConfig
     handshake_address: str
-    addresses: CoordinatorAddresses
+    plan: CoordinatorPlan
 
 
 class WaveState:
@@ -83,8 +75,9 @@ class WaveState:
 
 
 class Coordinator:
-    def __init__(self, config: FleetConfig, addresses: CoordinatorAddresses):
+    def __init__(self, config: FleetConfig, plan: CoordinatorPlan):
         self.config = config
+        addresses = plan.addresses
         self.num_engines = config.parallel.data_parallel_size
         self.ctx = zmq.Context()
         self.inputs = ipc.make_socket(self.ctx, zmq.PULL, bind=addresses.engine_inputs)
@@ -94,21 +87,17 @@ class Coordinator:
         self.waves = WaveState(self.num_engines)
         self.num_waiting = [0] * self.num_engines
         self.num_running = [0] * self.num_engines
-        # Lock-step workers of a multi-node job meet at node 0's job store instead.
-        hosts_store = config.parallel.replicas_step_together and config.parallel.nnodes == 1
-        self.store = self._host_store() if hosts_store else None
+        self.store = self._host_store(plan.store) if plan.store is not None else None
 
-    def _host_store(self):
-        """The job-wide TCPStore of lock-step workers, at --master-addr and
-        --master-port (port 0 on one launch: the bound port is reported)."""
+    def _host_store(self, store: StoreLocation):
+        """The job-wide TCPStore of lock-step workers (port 0: the bound port is reported)."""
         from datetime import timedelta
 
         import torch.distributed as dist
 
-        parallel = self.config.parallel
         return dist.TCPStore(
-            parallel.master_addr, parallel.master_port or 0, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=parallel.distributed_timeout_seconds),
+            store.host, store.port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=self.config.parallel.distributed_timeout_seconds),
         )
 
     @property
@@ -155,7 +144,7 @@ def main() -> None:
 
 def run_coordinator(name: str, info: CoordinatorStartupInfo) -> None:
     coordinator = processes.start_or_report(name, info.handshake_address,
-                                            lambda: Coordinator(info.config, info.addresses))
+                                            lambda: Coordinator(info.config, info.plan))
     ready = Ready(name, os.getpid(), addresses={"store_port": str(coordinator.store_port)})
     processes.report(info.handshake_address, ready)
     coordinator.run()

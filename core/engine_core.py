@@ -19,7 +19,6 @@ import zmq
 
 from fleet.config.fleet import FleetConfig
 from fleet.core import ipc, processes, serial
-from fleet.core.dp_coordinator import CoordinatorAddresses
 from fleet.core.messages import (
     Abort,
     CoordinatorBroadcast,
@@ -39,6 +38,7 @@ from fleet.core.messages import (
     UtilityResult,
     WaveWakeUp,
 )
+from fleet.core.node_plan import EngineCorePlan, StartupFacts
 from fleet.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -52,12 +52,12 @@ class EngineCore:
 
     UTILITY_METHODS = ("health", "reset_prefix_cache", "kv_stats")
 
-    def __init__(self, config: FleetConfig, dp_rank: int = 0):
+    def __init__(self, config: FleetConfig, plan: EngineCorePlan, facts: StartupFacts | None = None):
         from fleet.workers.executor import make_executor  # deferred: the executor picks what it imports
 
         self.config = config
-        self.dp_rank = dp_rank
-        self.executor = make_executor(config, dp_rank)
+        self.dp_rank = plan.dp_rank
+        self.executor = make_executor(config, plan, facts or StartupFacts())
         self.kv_capacity: KVCapacity = self.executor.start()
         self.scheduler = Scheduler(
             config.scheduler,
@@ -158,14 +158,9 @@ def _eos_token_id(config: FleetConfig) -> int | None:
 
 class EngineCoreStartupInfo(msgspec.Struct):
     config: FleetConfig
-    dp_rank: int
+    plan: EngineCorePlan
     handshake_address: str
-    input_addresses: list[str]
-    """One ROUTER per client (API server or LLM): requests come from there."""
-    output_addresses: list[str]
-    """One PULL per client: outputs go there, by the request's client_index."""
-    coordinator: CoordinatorAddresses | None = None
-    """The DP coordinator (several replicas): loads go there, and lock-step votes."""
+    facts: StartupFacts
 
 
 class EngineCoreProcess:
@@ -181,8 +176,9 @@ class EngineCoreProcess:
         self.last_load: EngineLoad | None = None
 
     def run(self) -> None:
+        info = self.info
         self.engine = processes.start_or_report(
-            self.name, self.info.handshake_address, lambda: EngineCore(self.info.config, self.info.dp_rank)
+            self.name, info.handshake_address, lambda: EngineCore(info.config, info.plan, info.facts)
         )
         self._start_io_threads()
         ready = Ready(self.name, os.getpid(), kv_capacity=self.engine.kv_capacity)
@@ -191,7 +187,7 @@ class EngineCoreProcess:
             self._lockstep_loop() if self.info.config.parallel.replicas_step_together else self._busy_loop()
         except Exception as error:
             logger.exception("%s died", self.name)
-            self.outputs.put((None, EngineDead(self.info.dp_rank, f"{self.name}: {error}")))
+            self.outputs.put((None, EngineDead(self.info.plan.dp_rank, f"{self.name}: {error}")))
             self._flush_outputs()
             self.engine.shutdown()
             sys.exit(1)
@@ -213,7 +209,7 @@ class EngineCoreProcess:
             if not self._drain_inputs(block=not (wave_running or self.woken or self.engine.has_work())):
                 return
             self.woken = False
-            self._send_to_coordinator(StepVote(self.info.dp_rank, self.next_step, self.engine.has_work()))
+            self._send_to_coordinator(StepVote(self.info.plan.dp_rank, self.next_step, self.engine.has_work()))
             decision = self._await_decision()
             if decision is None:
                 return
@@ -236,7 +232,7 @@ class EngineCoreProcess:
     def _step(self) -> None:
         for client, outputs in self.engine.step().items():
             self.outputs.put((client, outputs))
-        if self.info.coordinator is not None:
+        if self.info.plan.coordinator is not None:
             load = self.engine.load()
             if load != self.last_load:
                 self._send_to_coordinator(load)
@@ -290,17 +286,18 @@ class EngineCoreProcess:
             return UtilityResult(call_id, error=f"{type(error).__name__}: {error}")
 
     def _start_io_threads(self) -> None:
-        identity = self.info.dp_rank.to_bytes(2, "little")
-        dealers = [ipc.make_socket(self.ctx, zmq.DEALER, connect=a, identity=identity) for a in self.info.input_addresses]
-        pushes = [ipc.make_socket(self.ctx, zmq.PUSH, connect=a) for a in self.info.output_addresses]
+        identity = self.info.plan.dp_rank.to_bytes(2, "little")
+        dealers = [ipc.make_socket(self.ctx, zmq.DEALER, connect=c.requests, identity=identity)
+                   for c in self.info.plan.clients]
+        pushes = [ipc.make_socket(self.ctx, zmq.PUSH, connect=c.outputs) for c in self.info.plan.clients]
         for dealer in dealers:
             # Hello, with our pid so that clients can watch us: a ROUTER routes only to peers it has heard from.
             dealer.send(str(self._pid_for_clients()).encode())
         subscribers = []
-        if self.info.coordinator is not None:
+        if self.info.plan.coordinator is not None:
             # The main thread owns the PUSH; the input thread the SUB (a zmq socket is single-threaded).
-            self.coordinator = ipc.make_socket(self.ctx, zmq.PUSH, connect=self.info.coordinator.engine_inputs)
-            sub = ipc.make_socket(self.ctx, zmq.SUB, connect=self.info.coordinator.engine_broadcast)
+            self.coordinator = ipc.make_socket(self.ctx, zmq.PUSH, connect=self.info.plan.coordinator.engine_inputs)
+            sub = ipc.make_socket(self.ctx, zmq.SUB, connect=self.info.plan.coordinator.engine_broadcast)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             subscribers.append(sub)
         threading.Thread(

@@ -10,50 +10,38 @@ import msgspec
 
 from fleet.config.fleet import FleetConfig
 from fleet.core import processes
-from fleet.core.dp_coordinator import CoordinatorAddresses
 from fleet.core.engine_core import EngineCoreStartupInfo
-from fleet.core.process_names import engine_core_name
-from fleet.parallel.dims import node_engine_ranks, replicas_served_from_elsewhere
+from fleet.core.node_plan import EngineCorePlan, StartupFacts, WorkerPlan
 
 if TYPE_CHECKING:
     from fleet.parallel.job_store import JobStore  # imports torch: multi-node launches only
 
 
 def start_engine_cores(
-    config: FleetConfig,
-    handshake_address: str,
-    input_addresses: list[str],
-    output_addresses: list[str],
-    coordinator: CoordinatorAddresses | None = None,
+    config: FleetConfig, plans: list[EngineCorePlan], handshake_address: str, facts: StartupFacts
 ) -> list[processes.ChildProcess]:
-    """Every engine core this node runs (one per local data-parallel rank),
-    each told its clients' sockets (one ROUTER and one PULL per API server or
-    LLM) and the coordinator's; they report Ready to `handshake_address`."""
+    """The engine cores of `plans` (this node's, one per local data-parallel
+    rank); they report Ready to `handshake_address`."""
     started = []
-    for dp_rank in node_engine_ranks(config.parallel):
-        info = EngineCoreStartupInfo(
-            config=config,
-            dp_rank=dp_rank,
-            handshake_address=handshake_address,
-            input_addresses=input_addresses,
-            output_addresses=output_addresses,
-            coordinator=coordinator,
-        )
-        started.append(_start(config, engine_core_name(dp_rank), info))
+    for plan in plans:
+        info = EngineCoreStartupInfo(config, plan, handshake_address, facts)
+        started.append(_start(config, plan.name, info))
     return started
 
 
-def start_workers_of_remote_engines(config: FleetConfig, job: JobStore | None) -> list[processes.ChildProcess]:
+def start_workers_of_remote_engines(
+    config: FleetConfig, workers: list[WorkerPlan], job: JobStore | None
+) -> list[processes.ChildProcess]:
     """Workers on this node of replicas whose engine core runs on another
     node: they report to that engine once it published its addresses in the
     job store (the engine's executor starts the others itself)."""
     from fleet.workers.executor import ReplicaAddresses, spawn_workers  # torch-free, but only multi-node needs it
 
     started = []
-    for dp_rank in replicas_served_from_elsewhere(config.parallel):
+    for dp_rank in sorted({worker.dp_rank for worker in workers}):
         assert job is not None, "replicas served from elsewhere exist only in multi-node jobs"
         addresses = job.lookup(f"replica/{dp_rank}/executor", ReplicaAddresses)
-        started.extend(spawn_workers(config, dp_rank, addresses))
+        started.extend(spawn_workers(config, [w for w in workers if w.dp_rank == dp_rank], addresses))
     return started
 
 

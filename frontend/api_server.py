@@ -24,9 +24,10 @@ import fleet
 from fleet.config.fleet import FleetConfig
 from fleet.core import processes
 from fleet.core.messages import Ready
+from fleet.core.node_plan import APIServerPlan
 from fleet.core.sampling_params import InvalidParameter
 from fleet.frontend.async_engine import AsyncEngine, ServerStopping
-from fleet.frontend.engine_client import ClientAddresses, EngineDeadError
+from fleet.frontend.engine_client import EngineDeadError
 from fleet.frontend.gatekeeper import BodyTooLarge, Gatekeeper, error_body, error_response, too_large
 from fleet.frontend.metrics import Metrics
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, now
@@ -222,13 +223,10 @@ async def _unless_disconnected(work, request: Request):
 
 class APIServerStartupInfo(msgspec.Struct):
     config: FleetConfig
-    index: int
-    addresses: ClientAddresses
-    num_engines: int
+    plan: APIServerPlan
     listen_fd: int
+    """The HTTP socket the launcher bound, shared by every API server."""
     handshake_address: str
-    load_address: str | None = None
-    """The DP coordinator's load table, when it runs on this node."""
 
 
 def run_api_server(name: str, info: APIServerStartupInfo) -> None:
@@ -236,12 +234,13 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
 
     from fleet.frontend.tokenizer import load_tokenizer
 
-    config = info.config
+    config, plan = info.config, info.plan
 
     def build() -> tuple[AsyncEngine, FastAPI]:
         metrics = Metrics(config.model.served_model_name[0] if config.model.served_model_name else config.model.model)
-        engine = AsyncEngine(config, load_tokenizer(config.model), info.index, info.addresses, metrics, info.load_address)
-        engine.connect(info.num_engines)
+        tokenizer = load_tokenizer(config.model)
+        engine = AsyncEngine(config, tokenizer, plan.index, plan.addresses, metrics, plan.load_address)
+        engine.connect(plan.num_engines)
         return engine, build_app(engine, config)
 
     engine, app = processes.start_or_report(name, info.handshake_address, build)

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 
 from fleet.config.fleet import FleetConfig
 from fleet.core.messages import EngineCoreOutputs, EngineLoads
+from fleet.core.node_plan import ClientAddresses
 from fleet.core.sampling_params import SamplingParams
-from fleet.frontend.engine_client import ClientAddresses, EngineClient, EngineDeadError
+from fleet.frontend.engine_client import EngineClient, EngineDeadError
 from fleet.frontend.load_balancer import LoadBalancer
 from fleet.frontend.metrics import Metrics
 from fleet.frontend.output_processor import RequestState, RequestTracker, child_requests

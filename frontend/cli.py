@@ -38,17 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     parser = launch_parser(command)
     _, engine_args = parse_engine_args(parser, rest)
-    from fleet.frontend.plan import node_plan
+    from fleet.frontend.plan import build_node_plan, describe
 
     try:
         config = engine_args.create_config()
-        plan = node_plan(config)  # the node's memory plan refuses what cannot fit
+        plan = build_node_plan(config)  # the node's memory plan refuses what cannot fit
         if command == "launch" and config.device.device == "cpu":
             check_fits(node_memory(config))
     except ValueError as error:
         parser.error(str(error))
     if command == "plan":
-        json.dump(plan, sys.stdout, indent=2)
+        json.dump(describe(config, plan), sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     if command == "prepare":
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return prepare(config)
     from fleet.frontend.launcher import launch
 
-    return launch(config)
+    return launch(config, plan)
 
 
 if __name__ == "__main__":

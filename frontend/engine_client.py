@@ -14,7 +14,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import msgspec
 import zmq
 
 from fleet.config.fleet import FleetConfig
@@ -31,6 +30,7 @@ from fleet.core.messages import (
     UtilityCall,
     UtilityResult,
 )
+from fleet.core.node_plan import ClientAddresses, StartupFacts, engine_core_plans
 from fleet.core.process_names import engine_core_name
 
 logger = logging.getLogger(__name__)
@@ -38,19 +38,6 @@ logger = logging.getLogger(__name__)
 OutputHandler = Callable[[EngineCoreOutputs], None]
 DeathHandler = Callable[[str], None]
 LoadHandler = Callable[[EngineLoads], None]
-
-
-class ClientAddresses(msgspec.Struct):
-    """Where one client (API server or LLM) takes requests from engines' point of view."""
-
-    requests: str
-    """The client's ROUTER: engines connect a DEALER here."""
-    outputs: str
-    """The client's PULL: engines connect a PUSH here."""
-
-    @staticmethod
-    def new() -> ClientAddresses:
-        return ClientAddresses(ipc.new_ipc_address("requests"), ipc.new_ipc_address("outputs"))
 
 
 class EngineDeadError(RuntimeError):
@@ -99,14 +86,14 @@ class EngineClient:
     def start_engines(self) -> None:
         """Spawn this node's engine cores and wait for Ready from each (one deadline)."""
         from fleet.core.engine_launch import start_engine_cores
+        from fleet.parallel.dims import node_engine_ranks
 
         handshake = processes.HandshakeListener(self.ctx)
+        addresses = ClientAddresses(self.requests.getsockopt_string(zmq.LAST_ENDPOINT),
+                                    self.outputs.getsockopt_string(zmq.LAST_ENDPOINT))
+        plans = engine_core_plans(self.config, node_engine_ranks(self.config.parallel), [addresses], None)
         try:
-            self.engines.extend(start_engine_cores(
-                self.config, handshake.address,
-                input_addresses=[self.requests.getsockopt_string(zmq.LAST_ENDPOINT)],
-                output_addresses=[self.outputs.getsockopt_string(zmq.LAST_ENDPOINT)],
-            ))
+            self.engines.extend(start_engine_cores(self.config, plans, handshake.address, StartupFacts()))
             ready = handshake.wait_all(self.engines, self.config.parallel.distributed_timeout_seconds)
         except Exception:
             handshake.close()

@@ -4,28 +4,22 @@ loss of another node, tears the node down and exits non-zero; SIGINT/SIGTERM
 shut down within --shutdown-timeout."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 
 from fleet.config import env
 from fleet.config.fleet import FleetConfig
 from fleet.core import processes
-from fleet.core.dp_coordinator import CoordinatorAddresses, CoordinatorStartupInfo
+from fleet.core.dp_coordinator import CoordinatorStartupInfo
 from fleet.core.engine_launch import start_engine_cores, start_workers_of_remote_engines
-from fleet.core.process_names import API_SERVER_PREFIX, DP_COORDINATOR, api_server_name
+from fleet.core.node_plan import CoordinatorPlan, NodePlan, StartupFacts
+from fleet.core.process_names import API_SERVER_PREFIX
 from fleet.frontend.api_server import APIServerStartupInfo, listening_socket
-from fleet.frontend.plan import (
-    api_server_addresses,
-    coordinator_addresses,
-    engines_per_api_server,
-    engines_use_coordinator,
-)
-from fleet.parallel.dims import runs_dp_coordinator
 
 if TYPE_CHECKING:
     from fleet.frontend.node_watch import Heartbeat
@@ -38,8 +32,11 @@ SUPERVISE_INTERVAL_S = 0.2
 
 
 class Launcher:
-    def __init__(self, config: FleetConfig):
+    def __init__(self, config: FleetConfig, plan: NodePlan):
         self.config = config
+        self.plan = plan
+        self.facts = StartupFacts()
+        """What start-up learns (the Ray cluster, a bound store port), for the children started after."""
         self.children: list[processes.ChildProcess] = []
         self.stop_requested: str | None = None
         self.url = "(headless: no HTTP)"
@@ -71,12 +68,13 @@ class Launcher:
             self._join_ray()
         ctx = zmq.Context()
         # Engine actors placed by Ray may run on another machine: they report over TCP.
-        ray_engines = self.config.parallel.data_parallel_backend == "ray"
-        tcp_host = self.config.parallel.data_parallel_address if ray_engines else None
+        ray_engines = parallel.data_parallel_backend == "ray"
+        tcp_host = parallel.data_parallel_address if ray_engines else None
         handshake = processes.HandshakeListener(ctx, tcp_host)
         try:
-            coordinator = self._start_coordinator(handshake) if runs_dp_coordinator(self.config.parallel) else None
-            self._start_api_servers_and_engines(handshake, coordinator)
+            if self.plan.dp_coordinator is not None:
+                self._start_coordinator(self.plan.dp_coordinator, handshake)
+            self._start_api_servers_and_engines(handshake)
         finally:
             handshake.close()
             ctx.destroy(linger=0)
@@ -119,51 +117,29 @@ class Launcher:
             signal.signal(signum, self._request_stop)
         resolved = ray.get_runtime_context().gcs_address
         logger.info("Ray cluster at %s (%s)", resolved, "joined" if address else "started for this launch")
-        self.config = dataclasses.replace(self.config, parallel=dataclasses.replace(parallel, ray_address=resolved))
+        self.facts = msgspec.structs.replace(self.facts, ray_address=resolved)
 
-    def _start_coordinator(self, handshake: processes.HandshakeListener) -> CoordinatorAddresses:
-        """Start the DP coordinator first: engines and API servers need its
-        addresses, and lock-step workers the port of the store it hosts."""
-        addresses = coordinator_addresses(self.config.parallel)
-        info = CoordinatorStartupInfo(self.config, handshake.address, addresses)
-        child = processes.spawn("fleet.core.dp_coordinator", DP_COORDINATOR, info)
+    def _start_coordinator(self, plan: CoordinatorPlan, handshake: processes.HandshakeListener) -> None:
+        """Start the DP coordinator first: lock-step workers need the port of
+        the store it hosts, which it may bind only now."""
+        child = processes.spawn("fleet.core.dp_coordinator", plan.name,
+                                CoordinatorStartupInfo(self.config, handshake.address, plan))
         self.children.append(child)
         ready = handshake.wait_all([child], self.config.parallel.distributed_timeout_seconds)[child.name]
-        parallel = self.config.parallel
-        if parallel.replicas_step_together and parallel.master_port is None:  # bound at start-up: pass it on
-            self.config = dataclasses.replace(
-                self.config, parallel=dataclasses.replace(parallel, master_port=int(ready.addresses["store_port"]))
-            )
-        return addresses
+        self.facts = msgspec.structs.replace(self.facts, store_port=int(ready.addresses["store_port"]))
 
-    def _start_api_servers_and_engines(
-        self, handshake: processes.HandshakeListener, coordinator: CoordinatorAddresses | None
-    ) -> None:
+    def _start_api_servers_and_engines(self, handshake: processes.HandshakeListener) -> None:
         config, frontend = self.config, self.config.frontend
-        if coordinator is None and config.parallel.replicas_step_together:
-            coordinator = coordinator_addresses(config.parallel)  # on the launch of rank 0: connect there
-        engines_coordinator = coordinator if engines_use_coordinator(config.parallel) else None
-        load_address = coordinator.loads if runs_dp_coordinator(config.parallel) else None
-        serves_http = not config.parallel.headless
-        # A headless node's engines answer node 0's API servers.
-        clients = api_server_addresses(config.parallel, frontend.api_server_count)
-        if not serves_http and config.parallel.nnodes == 1:
-            clients = []
-        http = listening_socket(frontend.host, frontend.port) if serves_http else None
+        http = listening_socket(frontend.host, frontend.port) if self.plan.api_servers else None
         if http is not None:  # --port 0 binds any free port: say which
             self.url = f"http://{frontend.host}:{http.getsockname()[1]}"
         started: list[processes.ChildProcess] = []
-        for index, addresses in enumerate(clients if serves_http else []):
-            info = APIServerStartupInfo(
-                config, index, addresses, engines_per_api_server(config.parallel), http.fileno(), handshake.address,
-                load_address,
-            )
-            name = api_server_name(index)
-            started.append(processes.spawn("fleet.frontend.api_server", name, info, pass_fds=(http.fileno(),)))
-        started.extend(start_engine_cores(config, handshake.address, [c.requests for c in clients],
-                                          [c.outputs for c in clients], engines_coordinator))
+        for plan in self.plan.api_servers:
+            info = APIServerStartupInfo(config, plan, http.fileno(), handshake.address)
+            started.append(processes.spawn("fleet.frontend.api_server", plan.name, info, pass_fds=(http.fileno(),)))
+        started.extend(start_engine_cores(config, self.plan.engine_cores, handshake.address, self.facts))
         self.children.extend(started)
-        self.children.extend(start_workers_of_remote_engines(config, self.job))
+        self.children.extend(start_workers_of_remote_engines(config, self.plan.workers_of_remote_engines, self.job))
         ready = handshake.wait_all(started, config.parallel.distributed_timeout_seconds)
         if http is not None:
             http.close()  # the API servers hold their own copies
@@ -213,6 +189,7 @@ class Launcher:
             processes.stop_all(group, grace)
 
 
-def launch(config: FleetConfig) -> int:
+def launch(config: FleetConfig, plan: NodePlan) -> int:
+    """Execute `plan`, this node's part of the job `config` describes."""
     processes.log_as("fleet-launch")
-    return Launcher(config).run()
+    return Launcher(config, plan).run()

@@ -1,26 +1,36 @@
-"""The launch plan of one node: which processes it runs, with which ranks and
-addresses. Pure data from a resolved FleetConfig; `fleet plan` prints it and
-the launcher follows it."""
+"""Building the launch plan of one node (core/node_plan.py) from a resolved
+FleetConfig: which processes it runs, with which ranks and addresses.
+`fleet plan` prints it; the launcher executes it."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+import msgspec
+
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
 from fleet.core import ipc
-from fleet.core.dp_coordinator import CoordinatorAddresses
-from fleet.core.process_names import DP_COORDINATOR, api_server_name, engine_core_name, worker_name
-from fleet.frontend.engine_client import ClientAddresses
+from fleet.core.node_plan import (
+    APIServerPlan,
+    ClientAddresses,
+    CoordinatorAddresses,
+    CoordinatorPlan,
+    NodePlan,
+    StoreLocation,
+    engine_core_plans,
+    replica_workers,
+    world_store,
+)
+from fleet.core.process_names import DP_COORDINATOR, api_server_name
 from fleet.parallel.dims import (
-    coord_of,
     node_engine_ranks,
-    node_worker_ranks,
     parallel_groups,
+    replicas_served_from_elsewhere,
     runs_api_servers,
     runs_dp_coordinator,
 )
-from fleet.workers.memory import node_memory, planned_kv_cache_bytes
+from fleet.workers.memory import node_memory
 
 
 def is_single_launch(parallel: ParallelConfig) -> bool:
@@ -78,66 +88,56 @@ def engines_per_api_server(parallel: ParallelConfig) -> int:
     return parallel.data_parallel_size_local
 
 
-def node_processes(config: FleetConfig) -> list[dict[str, Any]]:
+def build_node_plan(config: FleetConfig) -> NodePlan:
+    """The one plan of this node: what `fleet plan` prints and the launcher starts."""
     parallel = config.parallel
-    processes: list[dict[str, Any]] = []
+    coordinator = _coordinator_plan(config) if runs_dp_coordinator(parallel) else None
+    engines_coordinator = coordinator.addresses if coordinator is not None else None
+    if coordinator is None and engines_use_coordinator(parallel):
+        engines_coordinator = coordinator_addresses(parallel)  # on the launch of rank 0 (TCP): connect there
+    clients = api_server_addresses(parallel, config.frontend.api_server_count)
+    if parallel.headless and parallel.nnodes == 1:
+        clients = []
+    api_servers = []
     if runs_api_servers(parallel):
         url = f"http://{config.frontend.host}:{config.frontend.port}"
-        for index in range(config.frontend.api_server_count):
-            processes.append({"kind": "api_server", "name": api_server_name(index), "index": index, "url": url})
-    if runs_dp_coordinator(parallel):
-        processes.append({"kind": "dp_coordinator", "name": DP_COORDINATOR})
-    for dp_rank in node_engine_ranks(parallel):
-        first = dp_rank * parallel.replica_size
-        processes.append(
-            {
-                "kind": "engine_core",
-                "name": engine_core_name(dp_rank),
-                "dp_rank": dp_rank,
-                "workers": list(range(first, first + parallel.replica_size)),
-                "executor": parallel.distributed_executor_backend,
-            }
-        )
-    kv_cache_bytes = planned_kv_cache_bytes(config)
-    for local_rank, rank in enumerate(node_worker_ranks(parallel)):
-        coord = coord_of(parallel, rank)
-        processes.append(
-            {
-                "kind": "worker",
-                "name": worker_name(coord.dp, coord.pp, coord.tp),
-                "rank": rank,
-                "local_rank": local_rank,
-                "dp_rank": coord.dp,
-                "pp_rank": coord.pp,
-                "tp_rank": coord.tp,
-                "device": "cpu" if config.device.device == "cpu" else f"cuda:{local_rank}",
-                "kv_cache_bytes": kv_cache_bytes if kv_cache_bytes is not None else "profiled at start-up",
-            }
-        )
-    return processes
+        load_address = coordinator.addresses.loads if coordinator is not None else None
+        api_servers = [
+            APIServerPlan(api_server_name(index), index, url, addresses, engines_per_api_server(parallel), load_address)
+            for index, addresses in enumerate(clients)
+        ]
+    job_store = StoreLocation(parallel.master_addr, parallel.master_port, "launcher") if parallel.nnodes > 1 else None
+    return NodePlan(
+        node_rank=parallel.node_rank,
+        api_servers=api_servers,
+        dp_coordinator=coordinator,
+        engine_cores=engine_core_plans(config, node_engine_ranks(parallel), clients, engines_coordinator),
+        workers_of_remote_engines=[
+            worker for dp_rank in replicas_served_from_elsewhere(parallel)
+            for worker in replica_workers(config, dp_rank)
+        ],
+        job_store=job_store,
+        engine_transport=engine_transport(parallel),
+    )
 
 
-def node_plan(config: FleetConfig) -> dict[str, Any]:
-    """Everything `fleet plan` prints: config facts, groups and processes."""
-    parallel = config.parallel
-    master_port = parallel.master_port if parallel.master_port is not None else "bound at start-up"
+def _coordinator_plan(config: FleetConfig) -> CoordinatorPlan:
+    store = world_store(config)
+    hosts_store = store is not None and store.hosted_by == "dp_coordinator"
+    return CoordinatorPlan(DP_COORDINATOR, coordinator_addresses(config.parallel), store if hosts_store else None)
+
+
+def describe(config: FleetConfig, plan: NodePlan) -> dict[str, Any]:
+    """Everything `fleet plan` prints: the node's plan and the config it came from."""
     return {
-        "parallel": parallel.as_dict(),
-        "groups": parallel_groups(parallel)._asdict(),
-        "processes": node_processes(config),
-        "addresses": {
-            "engines": engine_transport(parallel),
-            "dp_coordinator": _coordinator_summary(parallel),
-            "api_servers": _api_server_summary(parallel, config.frontend.api_server_count),
-            "job_store": f"tcp://{parallel.master_addr}:{parallel.master_port}" if parallel.nnodes > 1 else None,
-            "torch_distributed": f"tcp://{parallel.master_addr}:{master_port}",
-            "backend": config.device.distributed_backend,
-        },
+        "node": msgspec.to_builtins(plan),
+        "parallel": config.parallel.as_dict(),
+        "groups": parallel_groups(config.parallel)._asdict(),
         "model": config.model.summary(),
         "scheduler": dataclasses.asdict(config.scheduler),
         "cache": dataclasses.asdict(config.cache),
         "memory": _memory_summary(config),
-        "device": dataclasses.asdict(config.device),
+        "device": {**dataclasses.asdict(config.device), "distributed_backend": config.device.distributed_backend},
         "load": dataclasses.asdict(config.load),
         "frontend": {k: v for k, v in dataclasses.asdict(config.frontend).items() if k != "api_key"},
         "compilation": dataclasses.asdict(config.compilation),
@@ -149,20 +149,3 @@ def _memory_summary(config: FleetConfig) -> dict[str, Any] | str:
     if config.device.device == "cuda":
         return "each worker profiles its GPU at start-up (--gpu-memory-utilization)"
     return node_memory(config).summary()
-
-
-def _coordinator_summary(parallel: ParallelConfig) -> str | None:
-    if not engines_use_coordinator(parallel):
-        return None
-    addresses = coordinator_addresses(parallel)
-    if addresses.engine_inputs.startswith("ipc://"):
-        return "ipc"
-    return f"{addresses.engine_inputs} (votes and loads), {addresses.engine_broadcast} (broadcast)"
-
-
-def _api_server_summary(parallel: ParallelConfig, count: int) -> str | list[str]:
-    """Where engines reach the API servers: ipc, or node 0's TCP ports for every node."""
-    addresses = api_server_addresses(parallel, count)
-    if all(a.requests.startswith("ipc://") for a in addresses):
-        return "ipc"
-    return [address for a in addresses for address in (a.requests, a.outputs)]

@@ -5,7 +5,8 @@ one replica join a process group (gloo on CPU, nccl on CUDA) through a
 TCPStore that their executor hosts. When replicas step together (expert
 parallel across data-parallel ranks) every worker of the job joins one
 world through the TCPStore at --master-addr/--master-port, hosted by the DP
-coordinator. Either way all members create every group in the same order
+coordinator; a multi-node job's worlds all meet in node 0's job store. The
+node plan decides which (core/node_plan.py, world_store); all members create every group in the same order
 (new_group is collective) and keep the ones they belong to.
 """
 from __future__ import annotations
@@ -19,32 +20,31 @@ import torch.distributed as dist
 from fleet.config import env
 from fleet.config.fleet import FleetConfig
 from fleet.core import ipc
+from fleet.core.node_plan import StoreLocation
 from fleet.parallel.comm import GroupCoordinator, set_dp_group, set_ep_group, set_pp_group, set_tp_group
 from fleet.parallel.dims import parallel_groups
 
 
-def init_worker_groups(config: FleetConfig, dp_rank: int, rank: int, store_host: str, store_port: int) -> None:
-    """Join this worker's world as replica rank `rank` (pp * TP + tp) of
-    data-parallel rank `dp_rank` and set its TP, PP, EP and DP groups. A
-    world of one worker touches nothing."""
+def init_worker_groups(config: FleetConfig, dp_rank: int, rank: int, store: StoreLocation | None) -> None:
+    """Join this worker's world, at `store` (as the node plan placed it), as
+    replica rank `rank` (pp * TP + tp) of data-parallel rank `dp_rank`, and
+    set its TP, PP, EP and DP groups. A world of one worker (no store) touches
+    nothing."""
+    if store is None:
+        return
     parallel = config.parallel
     if parallel.replicas_step_together:
         layout, world_rank, world = parallel, dp_rank * parallel.replica_size + rank, "job"
-        store_host, store_port = parallel.master_addr, parallel.master_port
     else:
         layout, world_rank, world = dataclasses.replace(parallel, data_parallel_size=1), rank, f"replica{dp_rank}"
     world_size = layout.world_size
-    if world_size == 1:
-        return
     timeout = timedelta(seconds=parallel.distributed_timeout_seconds)
-    if parallel.nnodes > 1:  # every world of the job lives in node 0's job store, under its own prefix
-        _pin_gloo_to_the_route_to(parallel.master_addr)
-        store_host, store_port = parallel.master_addr, parallel.master_port
-    store = dist.TCPStore(store_host, store_port, world_size=world_size, is_master=False, timeout=timeout)
-    if parallel.nnodes > 1:
-        store = dist.PrefixStore(f"{world}/", store)
+    if store.hosted_by == "launcher":  # a multi-node job: the store is node 0's
+        _pin_gloo_to_the_route_to(store.host)
+    client = dist.TCPStore(store.host, store.port, world_size=world_size, is_master=False, timeout=timeout)
+    world_store = dist.PrefixStore(f"{world}/", client)  # a job store holds every world of the job
     dist.init_process_group(
-        config.device.distributed_backend, store=store, rank=world_rank, world_size=world_size, timeout=timeout
+        config.device.distributed_backend, store=world_store, rank=world_rank, world_size=world_size, timeout=timeout
     )
     groups = parallel_groups(layout)
     set_tp_group(_member_group(groups.tp, world_rank))

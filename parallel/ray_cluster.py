@@ -10,14 +10,14 @@ from fleet.config import env
 from fleet.config.fleet import FleetConfig
 
 
-def connect_ray(config: FleetConfig) -> None:
-    """Join the cluster at --ray-address (the launcher resolves it) or
-    RAY_ADDRESS from this process, once; without either (fleet.LLM), start a
+def connect_ray(config: FleetConfig, resolved_address: str | None = None) -> None:
+    """Join the cluster the launcher resolved (`resolved_address`), else
+    --ray-address or RAY_ADDRESS, once; without any (fleet.LLM), start a
     local cluster that lives as long as this process."""
     import ray
 
     if not ray.is_initialized():
-        address = config.parallel.ray_address or env.ray_address()
+        address = resolved_address or config.parallel.ray_address or env.ray_address()
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
 
 

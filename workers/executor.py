@@ -29,8 +29,8 @@ from fleet.core.messages import (
     WorkerUtilityCall,
     WorkerUtilityResult,
 )
-from fleet.parallel.dims import coord_of, node_worker_ranks, replica_spans_nodes
-from fleet.workers.memory import planned_kv_cache_bytes
+from fleet.core.node_plan import EngineCorePlan, StartupFacts, StoreLocation, WorkerPlan
+from fleet.parallel.dims import coord_of, replica_spans_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -61,32 +61,26 @@ class WorkerStartupInfo(msgspec.Struct):
     """What a worker process (or Ray worker actor) receives on start-up."""
 
     config: FleetConfig
-    dp_rank: int
-    rank: int
-    """Rank within the replica: pp * TP + tp."""
-    local_rank: int
-    num_local_workers: int
+    plan: WorkerPlan
     handshake_address: str
     step_address: str
     """The engine's broadcast (XPUB) socket."""
     result_address: str
     """The engine's PULL socket; only the driver sends on it."""
-    kv_cache_bytes: int | None
-    """This worker's KV cache budget from the node's memory plan; None: profile the device (CUDA)."""
-    store_host: str = ""
-    store_port: int = 0
-    """The executor's TCPStore, where the replica's workers meet (several workers only)."""
+    store: StoreLocation | None
+    """Where the workers of its world meet, its port known; None: a world of one."""
 
 
 class UniExecutor(Executor):
-    def __init__(self, config: FleetConfig, dp_rank: int):
+    def __init__(self, config: FleetConfig, plan: EngineCorePlan):
         self.config = config
-        self.dp_rank = dp_rank
+        self.plan = plan
 
     def start(self) -> KVCapacity:
         from fleet.workers.worker import Worker
 
-        self.worker = Worker(self.config, self.dp_rank, kv_cache_bytes=planned_kv_cache_bytes(self.config))
+        (worker,) = self.plan.workers  # config validation allows `uni` for one worker only
+        self.worker = Worker(self.config, worker)
         num_blocks = self.worker.available_kv_blocks()
         self.worker.init_kv_cache(num_blocks)
         return KVCapacity(num_blocks, self.config.cache.block_size)
@@ -105,15 +99,16 @@ class ReplicaAddresses(msgspec.Struct):
     steps: str
     results: str
     handshake: str
-    store_host: str = ""
-    store_port: int = 0
-    """The executor's TCPStore for the replica's world; empty when the job's or the coordinator's is used."""
+    store: StoreLocation | None
+    """Where the replica's workers meet, the port bound."""
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: FleetConfig, dp_rank: int):
+    def __init__(self, config: FleetConfig, plan: EngineCorePlan, facts: StartupFacts):
         self.config = config
-        self.dp_rank = dp_rank
+        self.plan = plan
+        self.dp_rank = plan.dp_rank
+        self.facts = facts
         self.ctx = zmq.Context()
         self.tcp_host = self._tcp_bind_host()
         self.steps = self._bind(zmq.XPUB, "steps")
@@ -138,23 +133,22 @@ class MultiprocExecutor(Executor):
 
     def start(self) -> KVCapacity:
         parallel = self.config.parallel
-        # Lock-step replicas meet at the coordinator's store, multi-node jobs at node 0's job store.
-        hosts_store = parallel.replica_size > 1 and not parallel.replicas_step_together and parallel.nnodes == 1
-        store_host, store_port = self._host_store() if hosts_store else ("", 0)
+        store = self.facts.resolve(self.plan.store)
+        if store is not None and store.hosted_by == "executor":
+            store = self._host_store(store)
         handshake = processes.HandshakeListener(self.ctx, self.tcp_host)
         try:
             addresses = ReplicaAddresses(
                 steps=self.steps.getsockopt_string(zmq.LAST_ENDPOINT),
                 results=self.results.getsockopt_string(zmq.LAST_ENDPOINT),
                 handshake=handshake.address,
-                store_host=store_host,
-                store_port=store_port,
+                store=store,
             )
             if replica_spans_nodes(parallel):
                 self._publish(addresses)
             self.workers = self._spawn(addresses)
-            remote = [worker_name(parallel, rank) for rank in replica_ranks(parallel, self.dp_rank)
-                      if rank not in node_worker_ranks(parallel)]
+            started_here = {worker.rank for worker in self.plan.workers}
+            remote = [worker_name(parallel, rank) for rank in self.plan.worker_ranks if rank not in started_here]
             ready = handshake.wait_all(self.workers, parallel.distributed_timeout_seconds, remote)
         finally:
             handshake.close()
@@ -165,7 +159,7 @@ class MultiprocExecutor(Executor):
         return KVCapacity(num_blocks, self.config.cache.block_size)
 
     def _spawn(self, addresses: ReplicaAddresses) -> list[processes.ChildProcess]:
-        return spawn_workers(self.config, self.dp_rank, addresses)
+        return spawn_workers(self.config, self.plan.workers, addresses)
 
     def _publish(self, addresses: ReplicaAddresses) -> None:
         """For the launchers of the other nodes, which start this replica's workers there."""
@@ -173,22 +167,19 @@ class MultiprocExecutor(Executor):
 
         JobStore.client(self.config.parallel).publish(f"replica/{self.dp_rank}/executor", addresses)
 
-    def _host_store(self) -> tuple[str, int]:
-        """The TCPStore where the workers meet, bound here to port 0 (or
-        --master-port) so no port is probed and then raced for."""
+    def _host_store(self, store: StoreLocation) -> StoreLocation:
+        """Host the TCPStore where the replica's workers meet, bound to port 0
+        (unless the plan fixed it) so no port is probed and then raced for."""
         from datetime import timedelta
 
         import torch.distributed as dist  # only replicas of several workers need torch here
 
-        parallel = self.config.parallel
-        # Independent replicas each host a store: only a lone replica may take the fixed port.
-        port = parallel.master_port or 0 if parallel.data_parallel_size == 1 else 0
-        host = self.tcp_host or parallel.master_addr  # reachable by workers on other nodes (Ray)
+        host = self.tcp_host or store.host  # reachable by workers on other nodes (Ray)
         self._store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=parallel.distributed_timeout_seconds),
+            host, store.port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=self.config.parallel.distributed_timeout_seconds),
         )
-        return host, self._store.port
+        return msgspec.structs.replace(store, host=host, port=self._store.port)
 
     def _wait_for_subscribers(self, count: int) -> None:
         """XPUB hears each subscription: once all workers subscribed, no step is lost."""
@@ -258,44 +249,15 @@ class MultiprocExecutor(Executor):
             pass
 
 
-def spawn_workers(config: FleetConfig, dp_rank: int, addresses: ReplicaAddresses) -> list[processes.ChildProcess]:
-    """Start this node's workers of replica `dp_rank` (all of them unless
-    the replica spans nodes); they report Ready to the replica's executor."""
-    parallel = config.parallel
-    first = dp_rank * parallel.replica_size
-    # Devices and CPU threads are shared by every worker of this node, not only this replica's.
-    node_workers = node_worker_ranks(parallel)
-    workers = []
-    for rank in replica_ranks(parallel, dp_rank):
-        if rank not in node_workers:
-            continue
-        local_rank = rank - node_workers.start
-        info = worker_startup_info(config, dp_rank, rank - first, addresses, local_rank, len(node_workers))
-        workers.append(processes.spawn("fleet.workers.worker", worker_name(parallel, rank), info))
-    return workers
+def spawn_workers(config: FleetConfig, workers: list[WorkerPlan],
+                  addresses: ReplicaAddresses) -> list[processes.ChildProcess]:
+    """Start the planned workers of one replica; they report Ready to its executor."""
+    return [processes.spawn("fleet.workers.worker", worker.name, worker_startup_info(config, worker, addresses))
+            for worker in workers]
 
 
-def worker_startup_info(config: FleetConfig, dp_rank: int, rank: int, addresses: ReplicaAddresses,
-                        local_rank: int = 0, num_local_workers: int = 1) -> WorkerStartupInfo:
-    """What the worker of replica rank `rank` needs to meet its executor and
-    peers, and its share of this node's memory."""
-    return WorkerStartupInfo(
-        config=config,
-        dp_rank=dp_rank,
-        rank=rank,
-        local_rank=local_rank,
-        num_local_workers=num_local_workers,
-        handshake_address=addresses.handshake,
-        step_address=addresses.steps,
-        result_address=addresses.results,
-        kv_cache_bytes=planned_kv_cache_bytes(config),
-        store_host=addresses.store_host,
-        store_port=addresses.store_port,
-    )
-
-
-def replica_ranks(parallel: ParallelConfig, dp_rank: int) -> range:
-    return range(dp_rank * parallel.replica_size, (dp_rank + 1) * parallel.replica_size)
+def worker_startup_info(config: FleetConfig, worker: WorkerPlan, addresses: ReplicaAddresses) -> WorkerStartupInfo:
+    return WorkerStartupInfo(config, worker, addresses.handshake, addresses.steps, addresses.results, addresses.store)
 
 
 def worker_name(parallel: ParallelConfig, rank: int) -> str:
@@ -308,10 +270,11 @@ def _node_address(parallel: ParallelConfig) -> str:
     return parallel.master_addr if parallel.node_rank == 0 else ipc.address_towards(parallel.master_addr)
 
 
-def make_executor(config: FleetConfig, dp_rank: int) -> Executor:
-    backend = config.parallel.distributed_executor_backend
-    if backend == "ray":
+def make_executor(config: FleetConfig, plan: EngineCorePlan, facts: StartupFacts) -> Executor:
+    if plan.executor == "uni":
+        return UniExecutor(config, plan)
+    if plan.executor == "ray":
         from fleet.workers.ray_executor import RayExecutor  # ray is an optional dependency
 
-        return RayExecutor(config, dp_rank)
-    return {"uni": UniExecutor, "mp": MultiprocExecutor}[backend](config, dp_rank)
+        return RayExecutor(config, plan, facts)
+    return MultiprocExecutor(config, plan, facts)

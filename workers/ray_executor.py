@@ -14,14 +14,9 @@ import msgspec
 
 from fleet.config.fleet import FleetConfig
 from fleet.core import processes
+from fleet.core.node_plan import EngineCorePlan, StartupFacts
 from fleet.parallel.ray_cluster import RayActorHandle, connect_ray, place_bundles
-from fleet.workers.executor import (
-    MultiprocExecutor,
-    ReplicaAddresses,
-    replica_ranks,
-    worker_name,
-    worker_startup_info,
-)
+from fleet.workers.executor import MultiprocExecutor, ReplicaAddresses, worker_startup_info
 
 
 class RayExecutor(MultiprocExecutor):
@@ -30,9 +25,9 @@ class RayExecutor(MultiprocExecutor):
 
         return ray.util.get_node_ip_address()
 
-    def __init__(self, config: FleetConfig, dp_rank: int):
-        connect_ray(config)
-        super().__init__(config, dp_rank)
+    def __init__(self, config: FleetConfig, plan: EngineCorePlan, facts: StartupFacts):
+        connect_ray(config, facts.ray_address)
+        super().__init__(config, plan, facts)
 
     def _spawn(self, addresses: ReplicaAddresses) -> list[RayActorHandle]:
         import ray
@@ -46,9 +41,9 @@ class RayExecutor(MultiprocExecutor):
         actor_class = ray.remote(WorkerActor)
         on_gpu = self.config.device.device == "cuda"
         handles = []
-        for index, rank in enumerate(replica_ranks(parallel, self.dp_rank)):
-            info = worker_startup_info(self.config, self.dp_rank, index, addresses)
-            name = worker_name(parallel, rank)
+        for index, worker in enumerate(self.plan.workers):
+            info = worker_startup_info(self.config, worker, addresses)
+            name = worker.name
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=index)
             actor = actor_class.options(
                 num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0, scheduling_strategy=strategy

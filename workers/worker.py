@@ -28,6 +28,7 @@ from fleet.core.messages import (
     WorkerUtilityCall,
     WorkerUtilityResult,
 )
+from fleet.core.node_plan import StoreLocation, WorkerPlan
 from fleet.workers import cpu_dtype, cpu_heap
 from fleet.workers.executor import WorkerStartupInfo
 
@@ -35,19 +36,20 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: FleetConfig, dp_rank: int = 0, rank: int = 0, local_rank: int = 0,
-                 num_local_workers: int = 1, store: tuple[str, int] = ("", 0), kv_cache_bytes: int | None = None):
-        """`kv_cache_bytes`: this worker's KV cache budget (the node's memory
-        plan or --kv-cache-memory-bytes); None profiles the device (CUDA)."""
+    def __init__(self, config: FleetConfig, plan: WorkerPlan, store: StoreLocation | None = None):
+        """`plan.kv_cache_bytes`: this worker's KV cache budget (the node's memory
+        plan or --kv-cache-memory-bytes); None profiles the device (CUDA).
+        `store`: where the workers of its world meet (None: a world of one)."""
         from fleet.parallel.dims import driver_rank
         from fleet.parallel.groups import init_worker_groups
         from fleet.workers.loader import load_model
         from fleet.workers.model_runner import TORCH_DTYPES, ModelRunner
 
         self.config = config
-        self.kv_cache_bytes = kv_cache_bytes
-        self.device = _init_device(config, local_rank, num_local_workers)
-        init_worker_groups(config, dp_rank, rank, *store)
+        rank = plan.replica_rank
+        self.kv_cache_bytes = plan.kv_cache_bytes
+        self.device = _init_device(plan)
+        init_worker_groups(config, plan.dp_rank, rank, store)
         torch.manual_seed(config.model.seed)
         dtype = TORCH_DTYPES[config.model.dtype]
         if self.device.type == "cpu" and rank == 0:
@@ -97,13 +99,13 @@ class Worker:
         raise ValueError(f"unknown worker utility {method!r}")
 
 
-def _init_device(config: FleetConfig, local_rank: int, num_local_workers: int) -> torch.device:
-    if config.device.device == "cuda":
-        device = torch.device("cuda", local_rank)
+def _init_device(plan: WorkerPlan) -> torch.device:
+    device = torch.device(plan.device)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         return device
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // num_local_workers))
+    torch.set_num_threads(max(1, cores // plan.num_local_workers))
     cpu_heap.fix_mmap_threshold()
     return torch.device("cpu")
 
@@ -118,9 +120,7 @@ def serve_worker(name: str, info: WorkerStartupInfo) -> None:
     ctx = zmq.Context()
 
     def build() -> tuple[Worker, zmq.Socket, zmq.Socket | None, KVCapacity]:
-        store = (info.store_host, info.store_port)
-        worker = Worker(info.config, info.dp_rank, info.rank, info.local_rank, info.num_local_workers, store,
-                        info.kv_cache_bytes)
+        worker = Worker(info.config, info.plan, info.store)
         steps = ipc.make_socket(ctx, zmq.SUB, connect=info.step_address)
         steps.setsockopt(zmq.SUBSCRIBE, b"")
         results = ipc.make_socket(ctx, zmq.PUSH, connect=info.result_address) if worker.is_driver else None
@@ -128,7 +128,7 @@ def serve_worker(name: str, info: WorkerStartupInfo) -> None:
 
     worker, steps, results, capacity = processes.start_or_report(name, info.handshake_address, build)
     processes.report(info.handshake_address, Ready(name, os.getpid(), kv_capacity=capacity))
-    _serve(worker, info.rank, name, steps, results)
+    _serve(worker, info.plan.replica_rank, name, steps, results)
 
 
 def _serve(worker: Worker, rank: int, name: str, steps: zmq.Socket, results: zmq.Socket | None) -> None:

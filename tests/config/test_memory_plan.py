@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from fleet.config import EngineArgs, FleetConfig
-from fleet.frontend.plan import node_plan
+from fleet.frontend.plan import build_node_plan, describe
+from fleet.tests.config.plan_json import of_kind
 from fleet.workers.memory import (
     KV_SHARE_OF_NODE,
     blocks_per_sequence,
@@ -87,8 +88,8 @@ def test_a_launch_that_does_not_fit_the_free_memory_names_the_flags(llama_config
 
 def test_fleet_plan_shows_each_workers_budget(llama_config_dir):
     config = create(llama_config_dir, tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)
-    plan = node_plan(config)
-    workers = [p for p in plan["processes"] if p["kind"] == "worker"]
+    plan = describe(config, build_node_plan(config))
+    workers = of_kind(plan, "worker")
     assert len(workers) == 8
     budget = plan["memory"]["per_worker"]["kv_cache"]
     assert budget > 0 and all(p["kv_cache_bytes"] == budget for p in workers)

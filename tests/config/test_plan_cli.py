@@ -1,21 +1,21 @@
 """`fleet plan`: the resolved launch plan of one node, as JSON. A few cases run
-the real command in a subprocess; the rest call node_plan() directly."""
+the real command in a subprocess; the rest build and describe the plan directly."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from collections import Counter
 from typing import Any
 
 import pytest
 
 from fleet.config import EngineArgs
 from fleet.frontend.cli import main
-from fleet.frontend.plan import node_plan
+from fleet.frontend.plan import build_node_plan, describe
+from fleet.tests.config.plan_json import kinds, of_kind, planned_processes
 
-PLAN_KEYS = {"parallel", "groups", "processes", "scheduler", "cache", "model"}
+PLAN_KEYS = {"node", "parallel", "groups", "scheduler", "cache", "model"}
 
 
 def fleet(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -26,17 +26,13 @@ def fleet(*argv: str) -> subprocess.CompletedProcess[str]:
 
 def plan_of(model, **fields: Any) -> dict[str, Any]:
     config = EngineArgs(model=str(model), device=fields.pop("device", "cpu"), **fields).create_config()
-    plan = node_plan(config)
+    plan = describe(config, build_node_plan(config))
     assert json.loads(json.dumps(plan)) == plan, "the plan is plain JSON data"
     return plan
 
 
-def kinds(plan: dict[str, Any]) -> Counter[str]:
-    return Counter(process["kind"] for process in plan["processes"])
-
-
-def of_kind(plan: dict[str, Any], kind: str) -> list[dict[str, Any]]:
-    return [process for process in plan["processes"] if process["kind"] == kind]
+def engine_plan(plan: dict[str, Any], index: int = 0) -> dict[str, Any]:
+    return plan["node"]["engine_cores"][index]
 
 
 # ---------------------------------------------------------------- through a real subprocess
@@ -48,7 +44,7 @@ def test_plan_subprocess_tp2_dp2(llama_config_dir):
     plan = json.loads(result.stdout)
     assert PLAN_KEYS <= plan.keys()
     assert kinds(plan) == {"api_server": 1, "dp_coordinator": 1, "engine_core": 2, "worker": 4}
-    assert [e["workers"] for e in of_kind(plan, "engine_core")] == [[0, 1], [2, 3]]
+    assert [e["worker_ranks"] for e in of_kind(plan, "engine_core")] == [[0, 1], [2, 3]]
     workers = of_kind(plan, "worker")
     assert [(w["rank"], w["dp_rank"], w["pp_rank"], w["tp_rank"]) for w in workers] == [
         (0, 0, 0, 0),
@@ -88,8 +84,10 @@ def test_plan_subprocess_headless_node(llama_config_dir):
     assert kinds(plan) == {"engine_core": 1, "worker": 2}, "a headless node runs no API server and no coordinator"
     assert of_kind(plan, "engine_core")[0]["dp_rank"] == 1
     assert [(w["rank"], w["local_rank"]) for w in of_kind(plan, "worker")] == [(2, 0), (3, 1)]
-    assert plan["addresses"]["engines"] == "tcp://10.0.0.1:29550"
-    assert plan["addresses"]["torch_distributed"] == "tcp://10.0.0.1:29500"
+    assert plan["node"]["engine_transport"] == "tcp://10.0.0.1:29550"
+    job_store = {"host": "10.0.0.1", "port": 29500, "hosted_by": "launcher"}
+    assert plan["node"]["job_store"] == job_store
+    assert engine_plan(plan)["store"] == job_store, "every world of a multi-node job meets in node 0's job store"
 
 
 def test_plan_subprocess_bad_combination_exits_2_with_one_line(llama_config_dir):
@@ -138,9 +136,23 @@ def test_main_without_a_command_prints_usage(capsys):
 def test_one_replica_has_no_coordinator_and_uses_ipc(llama_config_dir):
     plan = plan_of(llama_config_dir)
     assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 1}
-    assert plan["addresses"]["engines"] == "ipc"
-    assert plan["addresses"]["torch_distributed"] == "tcp://127.0.0.1:bound at start-up"
-    assert plan["addresses"]["backend"] == "gloo"
+    assert plan["node"]["engine_transport"] == "ipc"
+    assert engine_plan(plan)["store"] is None, "a world of one worker needs no store"
+    assert plan["device"]["distributed_backend"] == "gloo"
+
+
+def test_a_replica_of_several_workers_meets_in_its_executors_store(llama_config_dir):
+    one = plan_of(llama_config_dir, tensor_parallel_size=2, master_port=29600)
+    assert engine_plan(one)["store"] == {"host": "127.0.0.1", "port": 29600, "hosted_by": "executor"}
+    two = plan_of(llama_config_dir, tensor_parallel_size=2, data_parallel_size=2, master_port=29600)
+    assert [e["store"]["port"] for e in two["node"]["engine_cores"]] == [0, 0], "replicas bind free ports"
+
+
+def test_lock_step_replicas_meet_in_the_coordinators_store(moe_config_dir):
+    plan = plan_of(moe_config_dir, data_parallel_size=2, enable_expert_parallel=True)
+    store = {"host": "127.0.0.1", "port": 0, "hosted_by": "dp_coordinator"}
+    assert plan["node"]["dp_coordinator"]["store"] == store
+    assert [e["store"] for e in plan["node"]["engine_cores"]] == [store, store]
 
 
 def test_api_servers_are_numbered(llama_config_dir):
@@ -151,7 +163,7 @@ def test_api_servers_are_numbered(llama_config_dir):
 
 def test_process_names(llama_config_dir):
     plan = plan_of(llama_config_dir, tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2)
-    names = [p["name"] for p in plan["processes"]]
+    names = [p["name"] for p in planned_processes(plan)]
     assert names[:4] == ["fleet-api-0", "fleet-dp-coordinator", "fleet-engine-dp0", "fleet-engine-dp1"]
     assert "fleet-worker-dp1-pp1-tp0" in names
     assert len(of_kind(plan, "worker")) == 8
@@ -160,14 +172,16 @@ def test_process_names(llama_config_dir):
 def test_node_zero_of_a_split_replica(llama_config_dir):
     plan = plan_of(llama_config_dir, tensor_parallel_size=4, nnodes=2, node_rank=0)
     assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 2}
-    assert of_kind(plan, "engine_core")[0]["workers"] == [0, 1, 2, 3]
-    assert plan["addresses"]["engines"].startswith("tcp://")
+    assert of_kind(plan, "engine_core")[0]["worker_ranks"] == [0, 1, 2, 3]
+    assert [w["rank"] for w in engine_plan(plan)["workers"]] == [0, 1], "the executor starts this node's two"
+    assert plan["node"]["engine_transport"].startswith("tcp://")
 
 
 def test_node_one_of_a_split_replica_runs_workers_only(llama_config_dir):
     plan = plan_of(llama_config_dir, tensor_parallel_size=4, nnodes=2, node_rank=1)
     assert kinds(plan) == {"worker": 2}
     assert [(w["rank"], w["local_rank"], w["tp_rank"]) for w in of_kind(plan, "worker")] == [(2, 0, 2), (3, 1, 3)]
+    assert [w["rank"] for w in plan["node"]["workers_of_remote_engines"]] == [2, 3], "node 0's engine drives them"
 
 
 def test_hybrid_node_serves_http_for_its_own_replicas(llama_config_dir):
@@ -197,7 +211,7 @@ def test_external_rank_zero_runs_the_coordinator(moe_config_dir):
 def test_cuda_workers_get_local_devices(llama_config_dir):
     plan = plan_of(llama_config_dir, device="cuda", tensor_parallel_size=2, data_parallel_size=2, nnodes=2, node_rank=1)
     assert [w["device"] for w in of_kind(plan, "worker")] == ["cuda:0", "cuda:1"]
-    assert plan["addresses"]["backend"] == "nccl"
+    assert plan["device"]["distributed_backend"] == "nccl"
 
 
 def test_plan_hides_the_api_key(llama_config_dir):
@@ -219,17 +233,20 @@ def test_console_script_launch_help():
 
 
 def test_coordinator_addresses_follow_the_launch_layout(moe_config_dir, llama_config_dir):
-    assert plan_of(llama_config_dir)["addresses"]["dp_coordinator"] is None
-    assert plan_of(llama_config_dir, data_parallel_size=2)["addresses"]["dp_coordinator"] == "ipc"
+    assert plan_of(llama_config_dir)["node"]["dp_coordinator"] is None
+    local = plan_of(llama_config_dir, data_parallel_size=2)["node"]["dp_coordinator"]["addresses"]
+    assert all(address.startswith("ipc://") for address in local.values())
     hybrid = plan_of(
         moe_config_dir, data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2,
         enable_expert_parallel=True, data_parallel_address="10.0.0.1", data_parallel_rpc_port=5000,
     )  # fmt: skip
     assert kinds(hybrid) == {"api_server": 1, "engine_core": 2, "worker": 2}
     assert hybrid["parallel"]["replicas_step_together"] is True
-    assert hybrid["addresses"]["dp_coordinator"].startswith("tcp://10.0.0.1:5000 ")
+    assert hybrid["node"]["dp_coordinator"] is None, "it runs beside rank 0, on the other launch"
+    remote = engine_plan(hybrid)["coordinator"]
+    assert (remote["engine_inputs"], remote["engine_broadcast"]) == ("tcp://10.0.0.1:5000", "tcp://10.0.0.1:5001")
     dense_hybrid = plan_of(llama_config_dir, data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2)
-    assert dense_hybrid["addresses"]["dp_coordinator"] is None, "independent replicas: nothing to coordinate remotely"
+    assert engine_plan(dense_hybrid)["coordinator"] is None, "independent replicas: nothing to coordinate remotely"
 
 
 def test_multi_node_addresses_are_tcp_on_node_0(llama_config_dir):
@@ -237,8 +254,10 @@ def test_multi_node_addresses_are_tcp_on_node_0(llama_config_dir):
         llama_config_dir, data_parallel_size=2, nnodes=2, node_rank=1, master_addr="10.0.0.1",
         data_parallel_rpc_port=6000, api_server_count=2,
     )  # fmt: skip
-    addresses = plan["addresses"]
-    assert addresses["api_servers"] == [f"tcp://10.0.0.1:{port}" for port in range(6002, 6006)]
-    assert addresses["job_store"] == "tcp://10.0.0.1:29501"
-    assert addresses["dp_coordinator"].startswith("tcp://10.0.0.1:6000 ")
-    assert plan_of(llama_config_dir)["addresses"]["api_servers"] == "ipc"
+    engine = engine_plan(plan)
+    clients = [address for client in engine["clients"] for address in (client["requests"], client["outputs"])]
+    assert clients == [f"tcp://10.0.0.1:{port}" for port in range(6002, 6006)]
+    assert plan["node"]["job_store"] == {"host": "10.0.0.1", "port": 29501, "hosted_by": "launcher"}
+    assert engine["coordinator"]["engine_inputs"] == "tcp://10.0.0.1:6000"
+    one_node = plan_of(llama_config_dir)["node"]["api_servers"][0]["addresses"]
+    assert all(address.startswith("ipc://") for address in one_node.values())

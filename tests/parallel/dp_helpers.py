@@ -144,3 +144,45 @@ def stop_servers(servers: list[Server]) -> None:
     for server in servers:
         server.proc.wait(60)
         server.assert_nothing_left()
+
+
+def launched_names(server: Server) -> list[str]:
+    """The --name of every process the launch started (each says it on its command line)."""
+    command_lines = [p.cmdline() for p in server.descendants]
+    return sorted(line[line.index("--name") + 1] for line in command_lines if "--name" in line)
+
+
+def launched_tcp_ports(server: Server) -> dict[str, set[int]]:
+    """The TCP ports each process of the launch listens on, by its --name
+    (the launcher under plan_json.LAUNCHER)."""
+    from fleet.tests.config.plan_json import LAUNCHER
+
+    ports = {LAUNCHER: listening_tcp_ports(server.proc.pid)}
+    for process in server.descendants:
+        line = process.cmdline()
+        if "--name" in line:
+            ports[line[line.index("--name") + 1]] = listening_tcp_ports(process.pid)
+    return ports
+
+
+def listening_tcp_ports(pid: int) -> set[int]:
+    """The ports of the TCP sockets `pid` listens on, read through its own
+    /proc entries so that it works for a process in another network
+    namespace (psutil reads the caller's /proc/net)."""
+    proc = Path(f"/proc/{pid}")
+    inodes = set()
+    for fd in (proc / "fd").iterdir():
+        try:
+            target = fd.readlink().name
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for row in (proc / "net" / table).read_text().splitlines()[1:]:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports

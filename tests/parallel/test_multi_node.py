@@ -5,19 +5,28 @@ directories (also with FLEET_TEST_NETNS=0). Greedy outputs through node 0's HTTP
 transformers; start order, a missing node and a dying node are exercised."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import pytest
 
+from fleet.tests.config.plan_json import planned_processes, planned_tcp_ports
 from fleet.tests.frontend.server import Server, health_fails
-from fleet.tests.parallel.dp_helpers import assert_greedy_over_http, free_port_pair, stop_servers
+from fleet.tests.parallel.dp_helpers import (
+    assert_greedy_over_http,
+    free_port_pair,
+    launched_names,
+    launched_tcp_ports,
+    stop_servers,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -82,16 +91,33 @@ def two_nodes(tmp_path_factory):
 
 
 def job_args(model_dir: str, nodes: list[Node], *layout: str, timeout: int = 120) -> tuple[str, ...]:
+    # One free block for all fixed ports: the job store's, then the coordinator's two and the API server's two.
+    master_port = free_port_pair(span=5)
     return (
         model_dir, *layout, "--nnodes", "2", "--master-addr", nodes[0].address,
-        "--master-port", str(free_port_pair()), "--data-parallel-rpc-port", str(free_port_pair()),
+        "--master-port", str(master_port), "--data-parallel-rpc-port", str(master_port + 1),
         "--distributed-timeout-seconds", str(timeout), *TINY,
     )  # fmt: skip
 
 
+def node_args(nodes: list[Node], rank: int, args: tuple[str, ...]) -> tuple[str, ...]:
+    return (*args, "--node-rank", str(rank), "--host", nodes[rank].address)
+
+
 def start_node(nodes: list[Node], rank: int, args: tuple[str, ...], wait: bool = False) -> Server:
     node = nodes[rank]
-    return Server(*args, "--node-rank", str(rank), "--host", node.address, prefix=node.prefix, env=node.env, wait=wait)
+    return Server(*node_args(nodes, rank, args), prefix=node.prefix, env=node.env, wait=wait)
+
+
+def assert_launched_as_planned(nodes: list[Node], rank: int, args: tuple[str, ...], server: Server) -> None:
+    """The node started the processes `fleet plan` shows for it (names carry
+    their ranks), and each listens on the TCP ports the plan gives it."""
+    command = [sys.executable, "-P", "-m", "fleet.frontend.cli", "plan", *node_args(nodes, rank, args), "--port", "0"]
+    plan = json.loads(subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout)
+    assert launched_names(server) == sorted(p["name"] for p in planned_processes(plan))
+    listening = launched_tcp_ports(server)
+    for name, ports in planned_tcp_ports(plan).items():
+        assert ports <= listening[name], f"{name} listens on {sorted(listening[name])}, planned {sorted(ports)}"
 
 
 @pytest.mark.parametrize("layout", [("--dp", "2", "--tp", "2"), ("--tp", "4"), ("--pp", "2")], ids=" ".join)
@@ -108,6 +134,9 @@ def test_two_nodes_give_the_oracle_tokens(two_nodes, tiny_llama_dir, layout):
         workers = [len(node.children_named("fleet-worker-")) for node in (node0, node1)]
         assert workers == [workers_per_node, workers_per_node]
         assert not node1.children_named("fleet-api-"), "node 1 is headless"
+        assert_launched_as_planned(two_nodes, 0, args, node0)
+        assert_launched_as_planned(two_nodes, 1, args, node1)
+        assert int(node0.url.rsplit(":", 1)[1]) in launched_tcp_ports(node0)["fleet-api-0"]
     finally:
         stop_servers([node0, node1])
 

@@ -14,8 +14,9 @@ import psutil
 import pytest
 
 from fleet.config import EngineArgs
+from fleet.tests.config.plan_json import of_kind, planned_processes
 from fleet.tests.frontend.server import CHECKOUT, Server
-from fleet.tests.parallel.dp_helpers import assert_greedy_over_http
+from fleet.tests.parallel.dp_helpers import assert_greedy_over_http, launched_names
 from fleet.workers.memory import kv_bytes_per_block
 
 pytestmark = pytest.mark.slow
@@ -35,18 +36,12 @@ def planned(model_dir: str, layout: tuple[str, ...], kv_layout: dict) -> dict:
     done = subprocess.run([sys.executable, "-P", "-m", "fleet.frontend.cli", "plan", model_dir, *layout, *TINY],
                           capture_output=True, text=True, timeout=120, check=True)
     plan = json.loads(done.stdout)
-    workers = [p for p in plan["processes"] if p["kind"] == "worker"]
+    workers = of_kind(plan, "worker")
     memory = plan["memory"]
     assert all(w["kv_cache_bytes"] == memory["per_worker"]["kv_cache"] for w in workers)
     config = EngineArgs(model=model_dir, dtype="float32", device="cpu", **kv_layout).create_config()
     blocks = memory["per_worker"]["kv_cache"] // kv_bytes_per_block(config)
-    return {**memory, "blocks": blocks, "names": sorted(p["name"] for p in plan["processes"])}
-
-
-def launched_names(server: Server) -> list[str]:
-    """The --name of every process the launch started (each says it on its command line)."""
-    command_lines = [p.cmdline() for p in server.descendants]
-    return sorted(line[line.index("--name") + 1] for line in command_lines if "--name" in line)
+    return {**memory, "blocks": blocks, "names": sorted(p["name"] for p in planned_processes(plan))}
 
 
 def tree_rss(server: Server) -> int:
