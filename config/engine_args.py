@@ -3,6 +3,7 @@ resolution into one immutable FleetConfig."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ from fleet.config.fleet import FleetConfig
 from fleet.config.frontend import FrontendConfig
 from fleet.config.load import LoadConfig
 from fleet.config.model import DEFAULT_MODEL, DEFAULT_MODEL_ALIAS, ModelConfig, ModelDtype, checkpoint_dtype
-from fleet.config.model_files import is_default_model, locate_model, read_hf_config
+from fleet.config.model_files import is_default_model, locate_model, read_generation_config, read_hf_config
 from fleet.config.parallel import ParallelConfig
 from fleet.config.scheduler import SchedulerConfig
 
@@ -74,6 +75,7 @@ class EngineArgs:
     max_model_len: HumanInt | None = None
     seed: int = 0
     max_logprobs: int = 20
+    generation_config: str = "auto"
     # parallel: ParallelConfig
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -182,7 +184,46 @@ def _resolve_model(model: ModelConfig, load: LoadConfig, device: DeviceConfig) -
         served_model_name=served,
         dtype=_resolve_dtype(model.dtype, hf_config, device),
         max_model_len=_resolve_max_model_len(model.max_model_len, hf_config),
+        eos_token_ids=_eos_token_ids(hf_config, read_generation_config(path)),
+        sampling_defaults=_sampling_defaults(model.generation_config, path),
     )
+
+
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+"""generation_config.json keys that become sampling defaults, and the SamplingParams field of each (vLLM's set)."""
+
+
+def _eos_token_ids(*configs: dict[str, Any]) -> list[int]:
+    ids: list[int] = []
+    for config in configs:
+        eos = config.get("eos_token_id")
+        for token in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+            if int(token) not in ids:
+                ids.append(int(token))
+    return ids
+
+
+def _sampling_defaults(generation_config: str, model_path: str) -> dict[str, Any]:
+    """The sampling defaults --generation-config names (see ModelConfig.generation_config)."""
+    if generation_config == "vllm":
+        return {}
+    if generation_config == "auto":
+        found = read_generation_config(model_path)
+    else:
+        if not os.path.isfile(os.path.join(generation_config, "generation_config.json")):
+            raise ValueError(
+                f"--generation-config {generation_config!r}: expected auto, vllm or a directory that holds a "
+                "generation_config.json"
+            )
+        found = read_generation_config(generation_config)
+    return {field: found[key] for key, field in GENERATION_DEFAULTS.items() if found.get(key) is not None}
 
 
 def _check_heads_divide(model: ModelConfig, parallel: ParallelConfig) -> None:

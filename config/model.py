@@ -32,6 +32,8 @@ class ModelConfig:
     """Seed of the engine's random generator for requests that bring no seed of their own."""
     max_logprobs: int = 20
     """Most log-probabilities a request may ask for per token."""
+    generation_config: str = "auto"
+    """Sampling defaults for requests that leave them unset. auto: the model's generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens), as vLLM does; vllm: fleet's own (temperature 1, no truncation); or a directory holding a generation_config.json."""
 
     # Resolved by EngineArgs.create_config():
     model_path: str = field(default="", metadata=RESOLVED)
@@ -42,6 +44,11 @@ class ModelConfig:
     """HF architecture name, e.g. LlamaForCausalLM."""
     hf_config: dict[str, Any] = field(default_factory=dict, metadata=RESOLVED)
     """The model's HF config.json (for GGUF files: built from its metadata)."""
+    eos_token_ids: list[int] = field(default_factory=list, metadata=RESOLVED)
+    """Every token that ends generation: config.json's eos_token_id and the
+    model's generation_config.json's (Llama 3 lists several)."""
+    sampling_defaults: dict[str, Any] = field(default_factory=dict, metadata=RESOLVED)
+    """SamplingParams fields from --generation-config, for requests that leave them unset."""
 
     @property
     def num_experts(self) -> int:
@@ -77,7 +84,7 @@ class ModelConfig:
     def summary(self) -> dict[str, Any]:
         """What `fleet plan` shows of the model: no weights, no full HF config."""
         data = dataclasses.asdict(self)
-        data.pop("hf_config")
+        data.pop("hf_config")  # eos_token_ids and sampling_defaults stay: they change what requests get
         facts = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
         data.update({key: self.hf_config.get(key) for key in facts})
         data["is_moe"] = self.is_moe

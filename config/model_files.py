@@ -60,6 +60,15 @@ def read_hf_config(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def read_generation_config(path: str) -> dict[str, Any]:
+    """An HF directory's generation_config.json ({} when it has none, and for GGUF files)."""
+    config_file = os.path.join(path, "generation_config.json")
+    if path.endswith(".gguf") or not os.path.isfile(config_file):
+        return {}
+    with open(config_file) as f:
+        return json.load(f)
+
+
 def hf_config_from_gguf(path: str) -> dict[str, Any]:
     """Translate a GGUF file's metadata into the fields of an HF config.json
     (cached: parsing the metadata of a 49k-token vocabulary takes seconds)."""

@@ -64,7 +64,7 @@ class EngineCore:
             config.cache,
             max_model_len=config.model.max_model_len,
             num_blocks=self.kv_capacity.num_blocks,
-            eos_token_id=_eos_token_id(config),
+            eos_token_ids=config.model.eos_token_ids,
         )
         self.client_of_request: dict[str, int] = {}
         self.rejected: list[tuple[int, EngineCoreOutput]] = []
@@ -146,11 +146,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def _eos_token_id(config: FleetConfig) -> int | None:
-    eos = config.model.hf_config.get("eos_token_id")
-    return eos[0] if isinstance(eos, list) else eos
 
 
 # ---- the engine-core process ------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from array import array
+from collections.abc import Collection
 
 from fleet.core.messages import EngineCoreRequest, TokenLogprobs
 from fleet.core.sampling_params import SamplingParams
@@ -56,7 +57,7 @@ class Request:
 
     Args:
         core_request: what the API server sent.
-        eos_token_id: the model's end-of-sequence token, None if it has none.
+        eos_token_ids: every token that ends the model's generation (none for a model without).
         max_model_len: the context length; reaching it finishes the request ("length").
         block_size: KV block size; when given, the hashes of full blocks are kept
             in `block_hashes` as tokens arrive (prefix caching on).
@@ -66,7 +67,7 @@ class Request:
         self,
         core_request: EngineCoreRequest,
         *,
-        eos_token_id: int | None,
+        eos_token_ids: Collection[int],
         max_model_len: int,
         block_size: int | None = None,
     ):
@@ -75,7 +76,7 @@ class Request:
         self.priority: int = core_request.priority
         self.arrival_time: float = core_request.arrival_time
         self.sampling_params: SamplingParams = core_request.sampling_params
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.block_size = block_size
 
@@ -164,7 +165,7 @@ class Request:
         params = self.sampling_params
         last_token_id = self._output_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and self.eos_token_id is not None and last_token_id == self.eos_token_id:
+            if not params.ignore_eos and last_token_id in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
             if last_token_id in params.stop_token_ids:

@@ -15,7 +15,7 @@ ModelRunnerOutput with its step_id.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from fleet.config.cache import CacheConfig
 from fleet.config.scheduler import SchedulerConfig
@@ -60,7 +60,7 @@ class Scheduler:
         scheduler_config / cache_config: resolved configs (EngineArgs.create_config).
         max_model_len: context length; a request reaching it finishes ("length").
         num_blocks: KV capacity in blocks, as the workers allocated it.
-        eos_token_id: the model's end-of-sequence token, None if it has none.
+        eos_token_ids: every token that ends the model's generation (none for a model without).
     """
 
     def __init__(
@@ -69,7 +69,7 @@ class Scheduler:
         cache_config: CacheConfig,
         max_model_len: int,
         num_blocks: int,
-        eos_token_id: int | None,
+        eos_token_ids: Collection[int],
     ):
         _check_configs(scheduler_config, cache_config, max_model_len, num_blocks)
         self.max_num_batched_tokens: int = scheduler_config.max_num_batched_tokens
@@ -77,7 +77,7 @@ class Scheduler:
         self.enable_chunked_prefill: bool = scheduler_config.enable_chunked_prefill
         self.policy = scheduler_config.scheduling_policy
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
 
@@ -108,7 +108,7 @@ class Scheduler:
             )
         block_size = self.block_size if self.kv_cache_manager.enable_caching else None
         request = Request(
-            core_request, eos_token_id=self.eos_token_id, max_model_len=self.max_model_len, block_size=block_size
+            core_request, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, block_size=block_size
         )
         self.requests[request_id] = request
         self.waiting.add(request)

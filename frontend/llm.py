@@ -46,6 +46,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) else list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _broadcast_params(sampling_params, len(prompt_list))
         states = [self._submit(prompt, params) for prompt, params in zip(prompt_list, params_list)]
         self._wait(states, use_tqdm)
@@ -56,6 +58,11 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self._require_tokenizer().apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams gets: the model's generation
+        config (--generation-config), else SamplingParams' own defaults."""
+        return SamplingParams(**self.config.model.sampling_defaults)
 
     def abort(self, request_id: str) -> None:
         self.client.abort(self._requests.engine_ids(lambda state: state.output.request_id == request_id))
@@ -139,9 +146,7 @@ def _is_token_ids(prompts: Any) -> bool:
     return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
 
 
-def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
     if len(params) != count:

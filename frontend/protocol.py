@@ -90,28 +90,41 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     priority: int = 0
 
-    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, logprobs: int | None,
+                        model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`model_defaults` (--generation-config) fill the sampling fields this request left unset."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         except ValueError:
             raise InvalidParameter("logit_bias", "logit_bias keys must be token ids") from None
+        defaults = model_defaults or {}
+        max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
+
+        def unless_set(name: str, builtin: Any) -> Any:
+            value = getattr(self, name)
+            if name in self.model_fields_set and value is not None:
+                return value
+            return defaults.get(name, builtin)
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p,
+            temperature=unless_set("temperature", 1.0),
+            top_p=unless_set("top_p", 1.0),
+            top_k=unless_set("top_k", 0) or 0,
+            min_p=unless_set("min_p", 0.0),
             seed=self.seed,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
-            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=unless_set("repetition_penalty", 1.0),
             logit_bias=logit_bias or None,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

@@ -34,6 +34,7 @@ class Serving:
         self.model_name = model_name
         self.max_model_len = engine.config.model.max_model_len
         self.max_logprobs = engine.config.model.max_logprobs
+        self.sampling_defaults = engine.config.model.sampling_defaults
         self.vocab_size = engine.config.model.hf_config.get("vocab_size")
 
     # ---- validation ---------------------------------------------------------------------
@@ -63,7 +64,7 @@ class Serving:
         default_max_tokens = rest_of_context
         if isinstance(request, CompletionRequest):
             default_max_tokens = min(COMPLETION_MAX_TOKENS, rest_of_context)
-        params = request.sampling_params(default_max_tokens, logprobs)
+        params = request.sampling_params(default_max_tokens, logprobs, self.sampling_defaults)
         params.validate(self.max_logprobs, self.vocab_size)
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidParameter(

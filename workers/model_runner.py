@@ -29,8 +29,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.states = CachedRequests(device, self.block_size)
         self.kv_caches: list[torch.Tensor] = []
-        hf = config.model.hf_config
-        self.eos_token_ids = _eos_token_ids(hf)
+        self.eos_token_ids = list(config.model.eos_token_ids)
 
     # ---- KV cache -------------------------------------------------------------------
 
@@ -121,8 +120,3 @@ def _zeros_committed_on_use(shape: tuple[int, ...], dtype: torch.dtype, device: 
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
-def _eos_token_ids(hf_config: dict) -> list[int]:
-    eos = hf_config.get("eos_token_id")
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, list) else [eos]

@@ -33,7 +33,7 @@ def create_scheduler(
     block_size: int = 16,
     num_blocks: int = 1000,
     max_model_len: int | None = None,
-    eos_token_id: int | None = EOS_TOKEN_ID,
+    eos_token_ids: tuple[int, ...] = (EOS_TOKEN_ID,),
 ) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(
@@ -45,7 +45,7 @@ def create_scheduler(
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         max_model_len=max_model_len if max_model_len is not None else min(num_blocks * block_size, 4096),
         num_blocks=num_blocks,
-        eos_token_id=eos_token_id,
+        eos_token_ids=eos_token_ids,
     )
     CREATED_SCHEDULERS.append(scheduler)
     return scheduler

@@ -9,7 +9,7 @@ BLOCK_SIZE = 16
 
 def make_request(prompt: list[int], request_id: str = "r", **kwargs) -> Request:
     (core_request,) = create_requests(1, prompt=prompt, id_prefix=request_id, **kwargs)
-    return Request(core_request, eos_token_id=EOS_TOKEN_ID, max_model_len=4096, block_size=BLOCK_SIZE)
+    return Request(core_request, eos_token_ids=(EOS_TOKEN_ID,), max_model_len=4096, block_size=BLOCK_SIZE)
 
 
 def admit(manager: KVCacheManager, request: Request) -> list[int] | None:

@@ -8,7 +8,7 @@ from fleet.tests.core.scheduler_factories import EOS_TOKEN_ID, create_requests
 
 def make_request(max_model_len: int = 100, block_size: int | None = None, **kwargs) -> Request:
     (core_request,) = create_requests(1, kwargs.pop("num_tokens", 10), **kwargs)
-    return Request(core_request, eos_token_id=EOS_TOKEN_ID, max_model_len=max_model_len, block_size=block_size)
+    return Request(core_request, eos_token_ids=(EOS_TOKEN_ID,), max_model_len=max_model_len, block_size=block_size)
 
 
 def test_status_order_and_finish_reasons():
