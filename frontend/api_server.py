@@ -107,18 +107,32 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
             return error_response(503, engine.dead_reason)
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # SageMaker's name for /health, as in vLLM
+        return await health()
+
+    @app.get("/load")
+    async def load():
+        return {"server_load": engine.num_unfinished()}
+
     @app.get("/version")
     async def version():
         return {"version": fleet.__version__}
 
+    def model_card(name: str, created: int) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "fleet", "root": config.model.model,
+                "max_model_len": config.model.max_model_len}
+
     @app.get("/v1/models")
     async def models():
         created = now()
-        data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "fleet", "root": config.model.model, "max_model_len": config.model.max_model_len}
-            for name in served_names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name, created) for name in served_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name not in served_names:
+            raise APIError(404, f"The model `{name}` does not exist. Served: {served_names}", "model")
+        return model_card(name, now())
 
     @app.get("/metrics")
     async def prometheus():

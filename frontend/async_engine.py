@@ -45,13 +45,17 @@ class AsyncEngine:
         self.client_index = client_index
         self.balancer: LoadBalancer | None = None
         self._tracked: RequestTracker[_Tracked] = RequestTracker()
-        metrics.tracked_requests.set_function(lambda: len(self._tracked))
+        metrics.tracked_requests.set_function(self.num_unfinished)
         self._ids = itertools.count()
         self._stopping: ServerStopping | None = None
 
     @property
     def dead_reason(self) -> str | None:
         return self.client.dead_reason
+
+    def num_unfinished(self) -> int:
+        """Engine requests of this API server not finished yet (a request with n > 1 counts n)."""
+        return len(self._tracked)
 
     def connect(self, num_engines: int) -> None:
         self.client.connect_engines(num_engines)

@@ -11,6 +11,7 @@ from fleet.workers.memory import check_fits, node_memory
 
 COMMANDS = {
     "launch": "Serve a model over an OpenAI-compatible HTTP API.",
+    "serve": "The same as launch (vLLM's name for it).",
     "plan": "Print this node's resolved launch plan as JSON; starts nothing and reads no weights.",
     "prepare": "Build the CPU kernels and convert the model's files now, so that the first launch starts at once.",
 }
@@ -27,9 +28,14 @@ def launch_parser(command: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from fleet import __version__
+
+        sys.stdout.write(f"fleet {__version__}\n")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:8} {text}" for name, text in COMMANDS.items()]
-        message = "usage: fleet {launch,plan,prepare} [MODEL] [flags]\n\n" + "\n".join(lines) + "\n"
+        message = f"usage: fleet {{{','.join(COMMANDS)}}} [MODEL] [flags] | fleet --version\n\n" + "\n".join(lines) + "\n"
         if argv and argv[0] not in ("-h", "--help"):
             sys.stderr.write(f"fleet: error: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}\n")
             return 2
@@ -43,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = engine_args.create_config()
         plan = build_node_plan(config)  # the node's memory plan refuses what cannot fit
-        if command == "launch" and config.device.device == "cpu":
+        serves = command in ("launch", "serve")
+        if serves and config.device.device == "cpu":
             check_fits(node_memory(config))
     except ValueError as error:
         parser.error(str(error))

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import fleet as fleet_package
 from fleet.config import EngineArgs
 from fleet.frontend.cli import main
 from fleet.frontend.plan import build_node_plan, describe
@@ -128,6 +129,11 @@ def test_main_unknown_command_exits_2(capsys):
 def test_main_without_a_command_prints_usage(capsys):
     assert main(["--help"]) == 0
     assert "plan" in capsys.readouterr().out
+
+
+def test_version_of_the_command_line():
+    result = fleet("--version")
+    assert result.returncode == 0 and result.stdout == f"fleet {fleet_package.__version__}\n"
 
 
 # ---------------------------------------------------------------- node_plan for layouts

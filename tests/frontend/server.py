@@ -20,12 +20,12 @@ class Server:
     """A `fleet launch` subprocess on a free port (the launcher binds port 0 and logs the URL)."""
 
     def __init__(self, *args: str, startup_timeout: float = 120.0, prefix: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, wait: bool = True):
+                 env: dict[str, str] | None = None, wait: bool = True, command: str = "launch"):
         """`prefix` runs the launcher under another command (`ip netns exec NS`);
-        `wait=False` returns at once (call wait_ready later)."""
+        `wait=False` returns at once (call wait_ready later); `command`: launch or serve."""
         self.log: list[str] = []
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "fleet.frontend.cli", "launch", *args, "--port", "0"],
+            [*prefix, sys.executable, "-m", "fleet.frontend.cli", command, *args, "--port", "0"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

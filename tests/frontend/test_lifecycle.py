@@ -27,6 +27,17 @@ def test_sigterm_stops_every_process_in_time(tiny_llama_dir):
     assert time.monotonic() - started < 3 + 5
 
 
+def test_fleet_serve_is_launch_by_vllms_name(tiny_llama_dir):
+    server = Server(str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "4M",
+                    command="serve")
+    try:
+        body = {"model": str(tiny_llama_dir), "prompt": [5, 17, 42], "max_tokens": 3, "min_tokens": 3}
+        assert server.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
+    finally:
+        assert server.stop() == 0
+    server.assert_nothing_left()
+
+
 def test_sigterm_lets_requests_in_flight_finish_before_the_engines_stop(tiny_llama_dir):
     server = launch(str(tiny_llama_dir), "--dp", "2", "--api-server-count", "2", "--shutdown-timeout", "30")
     body = {"prompt": "hello", "max_tokens": 300, "ignore_eos": True, "stream": True}

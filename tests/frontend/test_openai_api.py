@@ -48,6 +48,23 @@ def test_models_health_version(server):
     assert len(server.get("/v1/models").json()["data"]) >= 1
 
 
+def test_ping_load_and_one_models_card(server):
+    assert server.get("/ping").status_code == 200 and server.post("/ping").status_code == 200
+    name = model_name(server)
+    card = server.get(f"/v1/models/{name}").json()
+    assert card["id"] == name and card["object"] == "model" and card["max_model_len"] == 2048
+    missing = server.get("/v1/models/no-such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    assert server.wait_until(lambda: server.get("/load").json() == {"server_load": 0})
+    # Most of the context (seconds of decoding): still in flight when /load answers.
+    body = {"model": name, "prompt": PROMPT, "max_tokens": 2000, "min_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # the first token is out: the request is in flight
+        assert server.get("/load").json() == {"server_load": 1}
+    assert server.wait_until(lambda: server.get("/load").json() == {"server_load": 0}), "the abort ended it"
+
+
 def test_greedy_completion_equals_offline_llm(server, client, offline, tiny_llama_dir):
     response = client.completions.create(model=model_name(server), prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"min_tokens": 16})
     expected = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, min_tokens=16), use_tqdm=False)[0]
