@@ -6,7 +6,7 @@ import sys
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineArgs"]
 
 
 
@@ -35,7 +35,7 @@ _forget_checkout_root()
 
 if TYPE_CHECKING:
     from fleet.config.engine_args import EngineArgs
-    from fleet.core.sampling_params import SamplingParams
+    from fleet.core.sampling_params import SamplingParams, StructuredOutputsParams
     from fleet.frontend.llm import LLM
 
 
@@ -45,10 +45,10 @@ def __getattr__(name: str):
         from fleet.frontend.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from fleet.core.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from fleet.core import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     if name == "EngineArgs":
         from fleet.config.engine_args import EngineArgs
 

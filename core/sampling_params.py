@@ -6,7 +6,9 @@ offline use. `validate()` runs before a request reaches the engine.
 """
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
 
 import msgspec
 
@@ -26,6 +28,67 @@ class InvalidParameter(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How constrained JSON is laid out (a schema's "x-guidance" may say otherwise):
+one space after "," and ":", none elsewhere. Free whitespace lets a small
+model pad its answer with blank lines up to max_tokens."""
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """Constrain the output to a form (vLLM's `structured_outputs`): exactly one of these."""
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (a dict, or its JSON text): the output is a JSON document it validates."""
+    regex: str | None = None
+    """The output matches this regular expression (Rust regex syntax), whole."""
+    choice: list[str] | None = None
+    """The output is one of these strings."""
+    grammar: str | None = None
+    """A context-free grammar, in GBNF (llama.cpp's) or Lark syntax: the output is a sentence of it."""
+    json_object: bool = False
+    """The output is some JSON object."""
+
+    def validate(self) -> StructuredOutputsParams:
+        """Raise InvalidParameter("structured_outputs", why) unless exactly one
+        valid constraint is given; return self."""
+        from llguidance import LLMatcher  # the grammar engine, in the processes that meet constraints
+
+        error = LLMatcher.validate_grammar(self.to_llguidance())
+        if error:
+            raise InvalidParameter("structured_outputs", f"invalid structured output constraint: {error.strip()}")
+        return self
+
+    def to_llguidance(self) -> str:
+        """The constraint as an llguidance grammar; InvalidParameter for one that cannot be read."""
+        from llguidance import LLMatcher, gbnf_to_lark
+
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidParameter("structured_outputs", f"give exactly one of json, regex, choice, grammar and "
+                                                         f"json_object, got {given or 'none'}")
+        if self.json is not None or self.json_object:
+            schema = {"type": "object"} if self.json_object else self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as error:
+                    raise InvalidParameter("structured_outputs", f"json must be a JSON schema: {error}") from None
+            if not isinstance(schema, dict):
+                raise InvalidParameter("structured_outputs", "json must be a JSON schema object")
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(option, str) and option for option in self.choice):
+                raise InvalidParameter("structured_outputs", "choice must be a list of non-empty strings")
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(option) for option in self.choice))
+        try:
+            return LLMatcher.grammar_from_lark(gbnf_to_lark.any_to_lark(self.grammar))
+        except Exception as error:  # noqa: BLE001 - the converter raises several kinds for a bad grammar
+            raise InvalidParameter("structured_outputs", f"invalid grammar: {error}") from None
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -55,6 +118,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar."""
 
     @property
     def greedy(self) -> bool:
@@ -102,6 +167,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             if not ok:
                 raise InvalidParameter(param, message)
         self._validate_logit_bias(vocab_size)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if vocab_size is not None:
             outside = [t for t in self.stop_token_ids if t >= vocab_size]
             if outside:

@@ -6,11 +6,11 @@ import logging
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fleet.core.sampling_params import INT64, InvalidParameter, SamplingParams
+from fleet.core.sampling_params import INT64, InvalidParameter, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,43 @@ class StreamOptions(OpenAIBase):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBase):
+    name: str = ""
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBase):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidParameter("response_format", 'response_format of type "json_schema" needs json_schema.schema')
+        return StructuredOutputsParams(json=self.json_schema.schema_)
+
+
+class StructuredOutputsRequest(OpenAIBase):
+    """vLLM's `structured_outputs`: one of json, regex, choice, grammar, json_object."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def constraint(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=self.json_object)
+
+
 class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
@@ -89,6 +126,28 @@ class SamplingFields(RequestBody):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # Structured outputs: OpenAI's field, vLLM's, and vLLM's older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request gives, however it spells it."""
+        given = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = self.response_format.constraint()
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs.constraint()
+        guided = StructuredOutputsParams(json=self.guided_json, regex=self.guided_regex, choice=self.guided_choice,
+                                         grammar=self.guided_grammar)
+        if guided != StructuredOutputsParams():
+            given["guided_*"] = guided
+        if len(given) > 1:
+            raise InvalidParameter("structured_outputs", f"give one output constraint, got {', '.join(given)}")
+        return next(iter(given.values()), None)
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None,
                         model_defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -128,6 +187,7 @@ class SamplingFields(RequestBody):
             logit_bias=logit_bias or None,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.constraint(),
         )
 
 

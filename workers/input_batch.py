@@ -10,6 +10,7 @@ import torch
 from fleet.core.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from fleet.core.sampling_params import SamplingParams
 from fleet.kernels.attention import AttentionMetadata, token_positions
+from fleet.workers.structured_output import GrammarState
 
 
 @dataclass
@@ -25,6 +26,8 @@ class CachedRequestState:
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None
+    """A constrained request's grammar, on the driver (workers/structured_output.py)."""
 
     @property
     def num_prompt_tokens(self) -> int:

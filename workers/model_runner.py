@@ -9,8 +9,9 @@ import torch
 from fleet.config.fleet import FleetConfig
 from fleet.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from fleet.parallel.comm import get_pp_group
-from fleet.workers.input_batch import CachedRequests, StepBatch
+from fleet.workers.input_batch import CachedRequests, CachedRequestState, StepBatch
 from fleet.workers.sampler import SamplingRow, sample_isolating_failures, top_logprobs
+from fleet.workers.structured_output import Grammars
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,6 +31,7 @@ class ModelRunner:
         self.states = CachedRequests(device, self.block_size)
         self.kv_caches: list[torch.Tensor] = []
         self.eos_token_ids = list(config.model.eos_token_ids)
+        self.grammars = Grammars(config.model, config.model.hf_config.get("vocab_size") or 0)
 
     # ---- KV cache -------------------------------------------------------------------
 
@@ -83,10 +85,13 @@ class ModelRunner:
             failed={request_ids[i]: error for i, error in errors.items()},
         )
 
-    def _sampling_row(self, state) -> SamplingRow:
+    def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         params = state.params
         stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
-        return SamplingRow(params, state.prompt_token_ids, state.output_token_ids, state.generator, stop_ids)
+        if params.structured_outputs is not None and state.grammar is None:
+            state.grammar = self.grammars.state(params.structured_outputs)
+        return SamplingRow(params, state.prompt_token_ids, state.output_token_ids, state.generator, stop_ids,
+                           state.grammar)
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
         """For each request asking for them: logprobs of prompt tokens 1.. that

@@ -1,7 +1,8 @@
 """Turn the last hidden state's logits into the next token of each request.
 
 Processing order follows vLLM: logit bias, min-tokens masking, penalties,
-temperature, top-k / top-p / min-p, then sampling. Log-probabilities are of
+the grammar's mask (structured outputs), temperature, top-k / top-p / min-p,
+then sampling. Log-probabilities are of
 the model's raw distribution (before any processing), as OpenAI reports them.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from fleet.core.messages import TokenLogprobs
 from fleet.core.sampling_params import SamplingParams
+from fleet.workers.structured_output import GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,8 @@ class SamplingRow:
     generator: torch.Generator | None
     stop_ids_until_min_tokens: list[int]
     """Token ids (eos, stop ids) that must not be sampled before min_tokens outputs."""
+    grammar: GrammarState | None = None
+    """The tokens a constrained request may take next (structured outputs)."""
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -87,7 +91,7 @@ def _raw_logprobs_if_needed(logits: torch.Tensor, rows: list[SamplingRow]) -> to
 
 
 def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    if any(row.params.logit_bias or _masks_stop_ids(row) or row.params.needs_penalties for row in rows):
+    if any(row.params.logit_bias or _masks_stop_ids(row) or row.params.needs_penalties or row.grammar for row in rows):
         logits = logits.clone()
         for i, row in enumerate(rows):
             _bias_mask_and_penalise(logits[i], row)
@@ -118,6 +122,9 @@ def _bias_mask_and_penalise(row_logits: torch.Tensor, row: SamplingRow) -> None:
     if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
         ids, counts = torch.tensor(row.output_token_ids, device=row_logits.device).unique(return_counts=True)
         row_logits[ids] -= params.frequency_penalty * counts.to(row_logits.dtype) + params.presence_penalty
+    if row.grammar is not None:
+        allowed = row.grammar.allowed_tokens(row.output_token_ids, row_logits.shape[-1], row_logits.device)
+        row_logits.masked_fill_(~allowed, float("-inf"))
 
 
 TOP_P_CANDIDATES = 1024
