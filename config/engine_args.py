@@ -120,6 +120,8 @@ class EngineArgs:
     max_request_body_bytes: HumanInt = 8 * 2**20
     shutdown_timeout: float = 10.0
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     # compilation_config: one JSON-valued flag
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
@@ -150,6 +152,8 @@ class EngineArgs:
             frontend = dataclasses.replace(frontend, api_key=env.api_key())
         if frontend.api_server_count < 1:
             raise ValueError(f"--api-server-count must be at least 1, got {frontend.api_server_count}")
+        if frontend.enable_auto_tool_choice and frontend.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
         return FleetConfig(
             model=model,
             cache=cache,

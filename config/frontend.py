@@ -25,3 +25,7 @@ class FrontendConfig:
     """Seconds that SIGINT/SIGTERM waits for processes to end before they are killed."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
     """Log level of the HTTP server's access log."""
+    enable_auto_tool_choice: bool = False
+    """Let the model decide when to call tools (tool_choice "auto"): its calls are read from its text by --tool-call-parser."""
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    """How tool calls are written in the model's text: hermes (<tool_call>{...}</tool_call>, Hermes and Qwen models) or llama3_json (a JSON object with name and parameters, Llama 3)."""

@@ -180,10 +180,10 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        prepared = await off_loop(lambda: serving.prepare(serving.chat_prompt(body), body, logprobs))
+        prepared, tools = await off_loop(lambda: serving.prepare_chat(body, logprobs))
         if body.stream:
-            return _stream(serving.chat_stream(body, prepared))
-        return await _unless_disconnected(serving.chat(body, prepared), request)
+            return _stream(serving.chat_stream(body, prepared, tools))
+        return await _unless_disconnected(serving.chat(body, prepared, tools), request)
 
     return app
 

@@ -2,6 +2,7 @@
 SamplingParams. Unknown request fields are accepted and logged."""
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -221,9 +222,42 @@ class ContentPart(OpenAIBase):
     text: str = ""
 
 
+class FunctionCall(OpenAIBase):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallMessage(OpenAIBase):
+    """A call in an assistant message of the history."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBase):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    """An assistant's calls (role "assistant")."""
+    tool_call_id: str | None = None
+    """The call a tool's result answers (role "tool")."""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: arguments as objects, as Hugging Face's templates expect."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        return message
 
     def text(self) -> str:
         """The message's text; a part of any other type (an image) is refused, not dropped."""
@@ -236,12 +270,39 @@ class ChatMessage(OpenAIBase):
         return self.content or ""
 
 
+class FunctionDefinition(OpenAIBase):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(OpenAIBase):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(OpenAIBase):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def tool_choice_value(self) -> str | dict[str, Any] | None:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice
 
     @model_validator(mode="after")
     def _completion_tokens_alias(self):
@@ -277,6 +338,15 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+def _arguments(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def random_id(prefix: str) -> str:

@@ -7,10 +7,13 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
+
 from fleet.core.sampling_params import InvalidParameter, SamplingParams
 from fleet.frontend.async_engine import AsyncEngine
 from fleet.frontend.output_processor import CompletionOutput, Logprob, RequestOutput, RequestState
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
+from fleet.frontend.tool_calls import ToolChoice
 
 COMPLETION_MAX_TOKENS = 16
 """max_tokens of a completion request that sets none."""
@@ -75,12 +78,29 @@ class Serving:
             )
         return Prepared(prompt, token_ids, params)
 
+    def prepare_chat(self, request: ChatCompletionRequest, logprobs: int | None) -> tuple[Prepared, ToolChoice]:
+        """The chat prompt (tools shown to the model), its SamplingParams and
+        how its reply is read; a forced tool choice constrains the output."""
+        frontend = self.engine.config.frontend
+        tools = ToolChoice(request.tool_dicts(), request.tool_choice_value(), frontend.tool_call_parser,
+                           frontend.enable_auto_tool_choice)
+        prepared = self.prepare(self.chat_prompt(request), request, logprobs)
+        forced = tools.constraint()
+        if forced is not None:
+            if prepared.params.structured_outputs is not None:
+                raise InvalidParameter("tool_choice", f"tool_choice {request.tool_choice_value()!r} constrains the "
+                                                      "output already: drop response_format / structured_outputs")
+            prepared.params = msgspec.structs.replace(prepared.params, structured_outputs=forced.validate())
+        return prepared, tools
+
     def chat_prompt(self, request: ChatCompletionRequest) -> str:
         if self.tokenizer is None:
             raise InvalidParameter("messages", "this model has no tokenizer and no chat template")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages = [m.for_template() for m in request.messages]
+        tools = [{"type": "function", "function": tool["function"]} for tool in request.tool_dicts() or []] or None
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=request.add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=request.add_generation_prompt)
         except Exception as error:  # templates raise anything from jinja
             raise InvalidParameter("messages", f"the chat template failed: {error}") from None
 
@@ -144,18 +164,24 @@ class Serving:
 
     # ---- chat -------------------------------------------------------------------------------
 
-    async def chat(self, request: ChatCompletionRequest, prepared: Prepared) -> dict:
+    async def chat(self, request: ChatCompletionRequest, prepared: Prepared, tools: ToolChoice) -> dict:
         output = await self.run_to_end(prepared, request.priority)
-        choices = [
-            {
+        choices = []
+        for sequence in output.outputs:
+            content, calls = tools.parse(sequence.text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+            logprobs = None
+            if request.logprobs:
+                logprobs = {"content": self._chat_logprobs(sequence, request.top_logprobs or 0)}
+            choices.append({
                 "index": sequence.index,
-                "message": {"role": "assistant", "content": sequence.text},
-                "logprobs": {"content": self._chat_logprobs(sequence, request.top_logprobs or 0)} if request.logprobs else None,
-                "finish_reason": sequence.finish_reason,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": _finish_reason(sequence, calls),
                 "stop_reason": sequence.stop_reason,
-            }
-            for sequence in output.outputs
-        ]
+            })
         return {
             "id": random_id("chatcmpl"),
             "object": "chat.completion",
@@ -165,22 +191,25 @@ class Serving:
             "usage": _usage([output]),
         }
 
-    async def chat_stream(self, request: ChatCompletionRequest, prepared: Prepared) -> AsyncIterator[str]:
+    async def chat_stream(self, request: ChatCompletionRequest, prepared: Prepared,
+                          tools: ToolChoice) -> AsyncIterator[str]:
         response_id, created = random_id("chatcmpl"), now()
         base = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         n = prepared.params.n
         for index in range(n):
             yield _event({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         outputs: list[RequestOutput] = []
-        async for sequence, text, first, end in self._sequence_updates(prepared, request.priority, outputs):
+        streams = [ToolCallStream(tools) for _ in range(n)]
+        async for sequence, _text, first, end in self._sequence_updates(prepared, request.priority, outputs):
             logprobs = None
             if request.logprobs:
                 logprobs = {"content": self._chat_logprobs(sequence, request.top_logprobs or 0, first, end)}
+            delta, calls = streams[sequence.index].advance(sequence)
             choice = {
                 "index": sequence.index,
-                "delta": {"content": text} if text else {},
+                "delta": delta,
                 "logprobs": logprobs,
-                "finish_reason": sequence.finish_reason,
+                "finish_reason": _finish_reason(sequence, calls) if sequence.finished else None,
             }
             if sequence.finished:
                 choice["stop_reason"] = sequence.stop_reason
@@ -270,6 +299,37 @@ class StreamCursor:
         first, end = self.tokens, len(sequence.token_ids)
         self.text, self.tokens, self.done = max(self.text, stable), end, sequence.finished
         return text, first, end
+
+
+class ToolCallStream:
+    """One streamed choice of a chat with tools: its text goes out as content
+    until a tool call may be starting; at the end, the calls go out whole (one
+    delta each), after the content before them."""
+
+    def __init__(self, tools: ToolChoice):
+        self.tools = tools
+        self.sent = 0
+        """Characters of the text sent as content."""
+
+    def advance(self, sequence: CompletionOutput) -> tuple[dict, list]:
+        """The delta to send now, and (once the sequence finished) its calls."""
+        text = sequence.text
+        if not sequence.finished:
+            safe = self.tools.content_prefix_length(text)
+            content, self.sent = text[self.sent : max(safe, self.sent)], max(safe, self.sent)
+            return ({"content": content} if content else {}), []
+        content, calls = self.tools.parse(text)
+        if not calls:
+            rest, self.sent = text[self.sent :], len(text)
+            return ({"content": rest} if rest else {}), []
+        return {"tool_calls": [call.to_openai(index) for index, call in enumerate(calls)]}, calls
+
+
+def _finish_reason(sequence: CompletionOutput, calls: list) -> str | None:
+    """"tool_calls" when the model stopped after calling tools (not when max_tokens cut it)."""
+    if calls and sequence.finish_reason == "stop":
+        return "tool_calls"
+    return sequence.finish_reason
 
 
 def _raise_if_failed(output: RequestOutput) -> None:

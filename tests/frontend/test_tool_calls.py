@@ -1,0 +1,212 @@
+"""Tool calling through the openai client: tools shown to the model by its
+chat template (checked against transformers' rendering), calls forced by
+tool_choice "required" or a named function (structured outputs, so even a
+random tiny model calls validly), and calls read from the text with
+--enable-auto-tool-choice --tool-call-parser hermes. The parsers also run
+alone on the formats the models write."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from fleet.core.sampling_params import InvalidParameter
+from fleet.frontend.tool_calls import ToolChoice, hermes_content_length, parse_hermes, parse_llama3_json
+from fleet.tests.frontend.server import Server
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+HERMES_TEMPLATE = (
+    "{% if tools %}<s>system\nTools:{% for tool in tools %} {{ tool['function']['name'] }}"
+    "{{ tool['function']['parameters'] | tojson }}{% endfor %}</s>\n{% endif %}"
+    "{% for message in messages %}<s>{{ message['role'] }}\n"
+    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}<tool_call>"
+    "{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}</tool_call>{% endfor %}{% endif %}"
+    "{% if message['tool_call_id'] is defined %}[{{ message['tool_call_id'] }}] {% endif %}"
+    "{{ message['content'] }}</s>\n{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+"""A small Hermes-style template that shows tools, calls and tool results (the tiny model's own shows none)."""
+
+
+def assert_valid_calls(calls, names=("get_weather", "get_time")) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+# ---------------------------------------------------------------- parsers and checks, no processes
+
+
+def test_hermes_calls_and_the_content_around_them():
+    text = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>' \
+           '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    content, calls = parse_hermes(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "UTC"})]
+    assert parse_hermes("no call here") == ("no call here", [])
+    assert parse_hermes("<tool_call>{not json</tool_call>")[1] == []
+
+
+def test_llama3_json_calls():
+    content, calls = parse_llama3_json('<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}; '
+                                       '{"name": "get_weather", "parameters": {"city": "Rome", "days": 1}}')
+    assert content is None and [c.name for c in calls] == ["get_time", "get_weather"]
+    assert parse_llama3_json("The answer is 4.") == ("The answer is 4.", [])
+    assert parse_llama3_json('{"answer": 4}') == ('{"answer": 4}', []), "JSON that is no call stays content"
+
+
+def test_streamed_content_stops_where_a_call_may_start():
+    assert hermes_content_length("Hello <tool") == len("Hello ")
+    assert hermes_content_length("Hello <tool_call>{") == len("Hello ")
+    assert hermes_content_length("a < b") == len("a < b")
+
+
+def test_tool_choice_checks():
+    with pytest.raises(InvalidParameter, match="not in tools"):
+        ToolChoice(TOOLS, {"type": "function", "function": {"name": "nope"}}, None, False)
+    with pytest.raises(InvalidParameter, match="--enable-auto-tool-choice"):
+        ToolChoice(TOOLS, None, None, False)  # tools without tool_choice mean "auto"
+    with pytest.raises(InvalidParameter, match="needs tools"):
+        ToolChoice(None, "required", "hermes", True)
+    assert ToolChoice(TOOLS, "none", None, False).constraint() is None
+    assert ToolChoice(None, None, None, False).choice == "none"
+
+
+# ---------------------------------------------------------------- a server with a tool-aware template
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tiny_llama_dir, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-llama-tools")
+    for item in Path(tiny_llama_dir).iterdir():
+        if item.name != "tokenizer_config.json":
+            (path / item.name).symlink_to(item)
+    config = json.loads((Path(tiny_llama_dir) / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(tool_model_dir):
+    server = Server(tool_model_dir, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "8M",
+                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield server
+    assert server.stop() == 0
+    server.assert_nothing_left()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused")
+
+
+def ask(client, server, **fields):
+    fields = {"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 200, "seed": 1, **fields}
+    return client.chat.completions.create(model=server.get("/v1/models").json()["data"][0]["id"], **fields)
+
+
+@pytest.mark.slow
+def test_tools_and_tool_history_reach_the_chat_template(client, server, tool_model_dir):
+    from transformers import AutoTokenizer
+
+    arguments = {"city": "Oslo", "days": 2}
+    history = [
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "sunny"},
+    ]
+    reply = ask(client, server, messages=history, tools=TOOLS, tool_choice="none", max_tokens=1)
+    rendered = [dict(message) for message in history]
+    rendered[1] = {**rendered[1], "tool_calls": [{"id": "call-1", "type": "function",
+                                                  "function": {"name": "get_weather", "arguments": arguments}}]}
+    expected = AutoTokenizer.from_pretrained(tool_model_dir).apply_chat_template(
+        rendered, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert reply.usage.prompt_tokens == len(expected)
+    assert reply.choices[0].message.tool_calls is None, 'tool_choice "none" reads no calls'
+
+
+@pytest.mark.slow
+def test_required_and_named_tool_choice_always_call_validly(client, server):
+    required = ask(client, server, tools=TOOLS, tool_choice="required", n=2, temperature=1.0)
+    for choice in required.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert_valid_calls(choice.message.tool_calls)
+    named = ask(client, server, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert_valid_calls(named.choices[0].message.tool_calls, names=("get_time",))
+    assert len(named.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.slow
+def test_streamed_tool_calls_arrive_whole(client, server):
+    stream = ask(client, server, tools=TOOLS, tool_choice="required", stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        for delta_call in chunk.choices[0].delta.tool_calls or []:
+            calls[delta_call.index] = delta_call
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert_valid_calls(list(calls.values()))
+
+
+@pytest.mark.slow
+def test_auto_tool_choice_reads_hermes_calls_from_the_text(client, server):
+    """The tiny model is made to write a Hermes call (a regex constraint on its
+    text), which the hermes parser must find, streamed or not."""
+    written = r'Sure\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{3,8}", "days": [1-7]\}\}</tool_call>'
+    fields = {"tools": TOOLS, "tool_choice": "auto", "extra_body": {"structured_outputs": {"regex": written}}}
+    reply = ask(client, server, **fields).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.content == "Sure."
+    assert_valid_calls(reply.message.tool_calls, names=("get_weather",))
+    content, calls = "", {}
+    for chunk in ask(client, server, stream=True, **fields):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            calls[call.index] = call
+    assert content == "Sure." and "<tool_call>" not in content
+    assert_valid_calls(list(calls.values()), names=("get_weather",))
+    plain = ask(client, server, tools=TOOLS, max_tokens=20).choices[0]
+    assert plain.message.tool_calls is None and plain.message.content, "text without a call is content"
+
+
+@pytest.mark.slow
+def test_bad_tool_choices_are_400s(client, server):
+    with pytest.raises(openai.BadRequestError) as unknown:
+        ask(client, server, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert unknown.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as both:
+        ask(client, server, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    assert both.value.body["param"] == "tool_choice"
+    assert server.get("/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_auto_tool_choice_needs_the_servers_flags(tiny_llama_dir):
+    server = Server(str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "4M")
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        with pytest.raises(openai.BadRequestError) as auto:
+            ask(client, server, tools=TOOLS)
+        assert "--enable-auto-tool-choice" in auto.value.body["message"]
+    finally:
+        server.close()
+    server.assert_nothing_left()
