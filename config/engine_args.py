@@ -120,6 +120,7 @@ class EngineArgs:
     max_request_body_bytes: HumanInt = 8 * 2**20
     shutdown_timeout: float = 10.0
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
+    chat_template: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     # compilation_config: one JSON-valued flag
@@ -152,6 +153,8 @@ class EngineArgs:
             frontend = dataclasses.replace(frontend, api_key=env.api_key())
         if frontend.api_server_count < 1:
             raise ValueError(f"--api-server-count must be at least 1, got {frontend.api_server_count}")
+        if frontend.chat_template is not None:
+            frontend = dataclasses.replace(frontend, chat_template=_read_chat_template(frontend.chat_template))
         if frontend.enable_auto_tool_choice and frontend.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
         return FleetConfig(
@@ -191,6 +194,17 @@ def _resolve_model(model: ModelConfig, load: LoadConfig, device: DeviceConfig) -
         eos_token_ids=_eos_token_ids(hf_config, read_generation_config(path)),
         sampling_defaults=_sampling_defaults(model.generation_config, path),
     )
+
+
+def _read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself when it is a Jinja template.
+    Resolved here so that every process (on any node) gets the text."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 GENERATION_DEFAULTS = {

@@ -25,6 +25,8 @@ class FrontendConfig:
     """Seconds that SIGINT/SIGTERM waits for processes to end before they are killed."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
     """Log level of the HTTP server's access log."""
+    chat_template: str | None = None
+    """The chat template instead of the model's: a file, or the Jinja template itself."""
     enable_auto_tool_choice: bool = False
     """Let the model decide when to call tools (tool_choice "auto"): its calls are read from its text by --tool-call-parser."""
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None

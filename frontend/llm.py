@@ -12,7 +12,7 @@ from fleet.core.messages import EngineCoreOutputs
 from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.engine_client import EngineClient, EngineDeadError
 from fleet.frontend.output_processor import RequestOutput, RequestState, RequestTracker, child_requests
-from fleet.frontend.tokenizer import load_tokenizer
+from fleet.frontend.tokenizer import load_tokenizer, render_chat
 from fleet.workers.memory import check_fits, node_memory
 
 PromptType = str | list[int] | dict[str, Any]
@@ -53,10 +53,29 @@ class LLM:
         self._wait(states, use_tqdm)
         return [state.output for state in states]
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template, then generate."""
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the chat template (`chat_template`,
+        else --chat-template, else the tokenizer's), then generate. With
+        `continue_final_message` (and add_generation_prompt=False) the model
+        goes on with the final assistant message."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._require_tokenizer().apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        tokenizer = self._require_tokenizer()
+        prompts = [
+            render_chat(tokenizer, conversation, chat_template=chat_template or self.config.frontend.chat_template,
+                        tools=tools, add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -295,6 +295,13 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's chat template fields
+    continue_final_message: bool = False
+    """Leave the final (assistant) message open for the model to continue; needs add_generation_prompt false."""
+    chat_template: str | None = None
+    """A Jinja chat template for this request instead of the model's (or --chat-template)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the chat template (e.g. enable_thinking)."""
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None

@@ -13,6 +13,7 @@ from fleet.core.sampling_params import InvalidParameter, SamplingParams
 from fleet.frontend.async_engine import AsyncEngine
 from fleet.frontend.output_processor import CompletionOutput, Logprob, RequestOutput, RequestState
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
+from fleet.frontend.tokenizer import render_chat
 from fleet.frontend.tool_calls import ToolChoice
 
 COMPLETION_MAX_TOKENS = 16
@@ -96,13 +97,18 @@ class Serving:
     def chat_prompt(self, request: ChatCompletionRequest) -> str:
         if self.tokenizer is None:
             raise InvalidParameter("messages", "this model has no tokenizer and no chat template")
-        messages = [m.for_template() for m in request.messages]
-        tools = [{"type": "function", "function": tool["function"]} for tool in request.tool_dicts() or []] or None
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=request.add_generation_prompt)
-        except Exception as error:  # templates raise anything from jinja
-            raise InvalidParameter("messages", f"the chat template failed: {error}") from None
+            return render_chat(
+                self.tokenizer,
+                [m.for_template() for m in request.messages],
+                chat_template=request.chat_template or self.engine.config.frontend.chat_template,
+                tools=request.tool_dicts(),
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                template_kwargs=request.chat_template_kwargs,
+            )
+        except ValueError as error:
+            raise InvalidParameter("messages", str(error)) from None
 
     # ---- running -------------------------------------------------------------------------
 
