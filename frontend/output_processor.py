@@ -90,7 +90,10 @@ class RequestState:
         sequence = self.output.outputs[index]
         detokenizer = self.detokenizers[index]
         sequence.token_ids.extend(engine_output.new_token_ids)
-        stop_string = detokenizer.append(engine_output.new_token_ids)
+        shown = engine_output.new_token_ids
+        if _stopped_by_token(engine_output) and not self.params.include_stop_str_in_output:
+            shown = shown[:-1]  # the eos or stop token ends the text; it is not part of it
+        stop_string = detokenizer.append(shown)
         sequence.text = detokenizer.text
         if engine_output.new_logprobs is not None and self.params.logprobs is not None:
             sequence.logprobs = (sequence.logprobs or []) + [self._as_dict(lp) for lp in engine_output.new_logprobs]
@@ -119,6 +122,12 @@ class RequestState:
             token_id: Logprob(value, rank, decode(token_id))
             for token_id, value, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks)
         }
+
+
+def _stopped_by_token(output: EngineCoreOutput) -> bool:
+    """Whether the engine ended the request at its last token: eos (no stop
+    reason) or one of stop_token_ids (the reason is that id)."""
+    return output.finish_reason == "stop" and not isinstance(output.stop_reason, str) and bool(output.new_token_ids)
 
 
 Tracked = TypeVar("Tracked")

@@ -62,6 +62,8 @@ def _check_encodable(value: Any, path: list[str | int]) -> None:
 
 class StreamOptions(OpenAIBase):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk carries the usage of its choice so far."""
 
 
 class JsonSchemaFormat(OpenAIBase):
@@ -127,6 +129,8 @@ class SamplingFields(RequestBody):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    prompt_logprobs: int | None = None
+    """vLLM's: log-probabilities of the prompt's tokens (and this many alternatives)."""
     # Structured outputs: OpenAI's field, vLLM's, and vLLM's older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -134,6 +138,9 @@ class SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def prompt_logprobs_wanted(self, logprobs: int | None) -> int | None:
+        return self.prompt_logprobs
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The one output constraint the request gives, however it spells it."""
@@ -188,6 +195,7 @@ class SamplingFields(RequestBody):
             logit_bias=logit_bias or None,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs_wanted(logprobs),
             structured_outputs=self.constraint(),
         )
 
@@ -197,6 +205,20 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = None
+
+    def prompt_logprobs_wanted(self, logprobs: int | None) -> int | None:
+        """echo with logprobs returns the prompt's logprobs too."""
+        if self.echo and logprobs is not None:
+            return max(logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    @model_validator(mode="after")
+    def _no_best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidParameter("best_of", f"best_of other than n is not supported (best_of {self.best_of}, "
+                                              f"n {self.n}): ask for n completions and choose among them")
+        return self
 
     @model_validator(mode="after")
     def _no_suffix(self):

@@ -127,35 +127,43 @@ class Serving:
         choices = []
         for prompt_index, output in enumerate(outputs):
             for sequence in output.outputs:
-                text = (output.prompt or "") + sequence.text if request.echo else sequence.text
+                text = self._prompt_text(output) + sequence.text if request.echo else sequence.text
+                logprobs = None
+                if request.logprobs is not None:
+                    echoed = output if request.echo else None
+                    logprobs = self._completion_logprobs(sequence, request.logprobs, echoed=echoed)
                 choices.append(
                     {
                         "index": prompt_index * request.n + sequence.index,
                         "text": text,
-                        "logprobs": self._completion_logprobs(sequence, request.logprobs) if request.logprobs is not None else None,
+                        "logprobs": logprobs,
                         "finish_reason": sequence.finish_reason,
                         "stop_reason": sequence.stop_reason,
+                        "prompt_logprobs": _prompt_logprobs(output) if request.prompt_logprobs is not None else None,
                     }
                 )
         return {
             "id": random_id("cmpl"),
             "object": "text_completion",
             "created": now(),
-            "model": self.model_name,
+            "model": self.answered_name(request),
             "choices": choices,
             "usage": _usage(outputs),
         }
 
     async def completion_stream(self, request: CompletionRequest, prepared: list[Prepared]) -> AsyncIterator[str]:
-        base = {"id": random_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name}
+        base = {"id": random_id("cmpl"), "object": "text_completion", "created": now(),
+                "model": self.answered_name(request)}
         outputs: list[RequestOutput] = []
         for prompt_index, p in enumerate(prepared):
-            async for sequence, text, first, end in self._sequence_updates(p, request.priority, outputs):
-                if request.echo and first == 0:
-                    text = (p.prompt or "") + text
+            async for sequence, text, first, end, output in self._sequence_updates(p, request.priority, outputs):
+                echo_now = request.echo and first == 0
+                if echo_now:
+                    text = self._prompt_text(output) + text
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(sequence, request.logprobs, first, end)
+                    echoed = output if echo_now else None
+                    logprobs = self._completion_logprobs(sequence, request.logprobs, first, end, echoed=echoed)
                 choice = {
                     "index": prompt_index * request.n + sequence.index,
                     "text": text,
@@ -163,7 +171,9 @@ class Serving:
                     "finish_reason": sequence.finish_reason,
                     "stop_reason": sequence.stop_reason,
                 }
-                yield _event({**base, "choices": [choice]})
+                if first == 0 and request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs(output)
+                yield _event({**base, "choices": [choice], **self._running_usage(request, output, sequence)})
         if request.stream_options and request.stream_options.include_usage:
             yield _event({**base, "choices": [], "usage": _usage(outputs)})
         yield "data: [DONE]\n\n"
@@ -192,21 +202,23 @@ class Serving:
             "id": random_id("chatcmpl"),
             "object": "chat.completion",
             "created": now(),
-            "model": self.model_name,
+            "model": self.answered_name(request),
             "choices": choices,
             "usage": _usage([output]),
+            "prompt_logprobs": _prompt_logprobs(output) if request.prompt_logprobs is not None else None,
         }
 
     async def chat_stream(self, request: ChatCompletionRequest, prepared: Prepared,
                           tools: ToolChoice) -> AsyncIterator[str]:
         response_id, created = random_id("chatcmpl"), now()
-        base = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        base = {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                "model": self.answered_name(request)}
         n = prepared.params.n
         for index in range(n):
             yield _event({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         outputs: list[RequestOutput] = []
         streams = [ToolCallStream(tools) for _ in range(n)]
-        async for sequence, _text, first, end in self._sequence_updates(prepared, request.priority, outputs):
+        async for sequence, _text, first, end, output in self._sequence_updates(prepared, request.priority, outputs):
             logprobs = None
             if request.logprobs:
                 logprobs = {"content": self._chat_logprobs(sequence, request.top_logprobs or 0, first, end)}
@@ -219,7 +231,7 @@ class Serving:
             }
             if sequence.finished:
                 choice["stop_reason"] = sequence.stop_reason
-            yield _event({**base, "choices": [choice]})
+            yield _event({**base, "choices": [choice], **self._running_usage(request, output, sequence)})
         if request.stream_options and request.stream_options.include_usage:
             yield _event({**base, "choices": [], "usage": _usage(outputs)})
         yield "data: [DONE]\n\n"
@@ -228,10 +240,10 @@ class Serving:
 
     async def _sequence_updates(
         self, prepared: Prepared, priority: int, finished: list[RequestOutput]
-    ) -> AsyncIterator[tuple[CompletionOutput, str, int, int]]:
+    ) -> AsyncIterator[tuple[CompletionOutput, str, int, int, RequestOutput]]:
         """The streaming loop of every endpoint: (sequence, new text, first
-        token, end token) each time one of the request's sequences has
-        something new to send. At the end the request's output is appended to
+        token, end token, the request's output) each time one of the
+        request's sequences has something new to send. At the end the request's output is appended to
         `finished`, or its failure raised."""
         cursors = [StreamCursor() for _ in range(prepared.params.n)]
         state = None
@@ -239,25 +251,50 @@ class Serving:
             for sequence in state.output.outputs:
                 step = cursors[sequence.index].advance(state, sequence)
                 if step is not None:
-                    yield (sequence, *step)
+                    yield (sequence, *step, state.output)
         assert state is not None
         _raise_if_failed(state.output)
         finished.append(state.output)
+
+    def answered_name(self, request) -> str:
+        """The model's name as the request gave it (any served name), else the first served name."""
+        return request.model or self.model_name
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        """The prompt as text, for echo: a token-id prompt is decoded."""
+        if output.prompt is not None or self.tokenizer is None:
+            return output.prompt or ""
+        return self.tokenizer.decode(output.prompt_token_ids)
+
+    @staticmethod
+    def _running_usage(request, output: RequestOutput, sequence: CompletionOutput) -> dict:
+        """vLLM's stream_options.continuous_usage_stats: usage of the choice so far, in every chunk."""
+        if not (request.stream_options and request.stream_options.continuous_usage_stats):
+            return {}
+        prompt, completion = len(output.prompt_token_ids), len(sequence.token_ids)
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
 
     def _token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
-    def _completion_logprobs(self, sequence: CompletionOutput, top_k: int, start: int = 0, stop: int | None = None) -> dict:
+    def _completion_logprobs(self, sequence: CompletionOutput, top_k: int, start: int = 0, stop: int | None = None,
+                             echoed: RequestOutput | None = None) -> dict:
+        """OpenAI's completion logprobs of tokens start..stop; with `echoed`,
+        the prompt's tokens first (the first has no logprob: nothing predicts it)."""
         stop = len(sequence.token_ids) if stop is None else stop
+        pairs = list(zip(sequence.token_ids[start:stop], (sequence.logprobs or [])[start:stop]))
+        if echoed is not None:
+            pairs = list(zip(echoed.prompt_token_ids, echoed.prompt_logprobs or [None])) + pairs
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = 0
-        for token_id, entry in zip(sequence.token_ids[start:stop], (sequence.logprobs or [])[start:stop]):
-            text = self._token_text(token_id, entry.get(token_id))
+        for token_id, entry in pairs:
+            text = self._token_text(token_id, entry.get(token_id) if entry else None)
             tokens.append(text)
-            token_logprobs.append(entry[token_id].logprob)
-            top.append({self._token_text(t, lp): lp.logprob for t, lp in entry.items() if lp.rank <= top_k})
+            token_logprobs.append(entry[token_id].logprob if entry else None)
+            top.append({self._token_text(t, lp): lp.logprob for t, lp in _top(entry, token_id, top_k)}
+                       if entry else None)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -267,7 +304,7 @@ class Serving:
         content = []
         for token_id, entry in zip(sequence.token_ids[start:stop], (sequence.logprobs or [])[start:stop]):
             text = self._token_text(token_id, entry.get(token_id))
-            alternatives = [(t, lp) for t, lp in entry.items() if lp.rank <= top_k]
+            alternatives = _top(entry, token_id, top_k)
             content.append(
                 {
                     "token": text,
@@ -342,6 +379,22 @@ def _raise_if_failed(output: RequestOutput) -> None:
     for sequence in output.outputs:
         if sequence.finish_reason == "error":
             raise RequestFailed(str(sequence.stop_reason))
+
+
+def _top(entry: dict[int, Logprob], token_id: int, top_k: int) -> list[tuple[int, Logprob]]:
+    """The top_k alternatives, and the token taken whatever its rank."""
+    return [(t, lp) for t, lp in entry.items() if lp.rank <= top_k or t == token_id]
+
+
+def _prompt_logprobs(output: RequestOutput) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: logprob, rank, decoded_token}; None for the first."""
+    if output.prompt_logprobs is None:
+        return None
+    return [
+        None if entry is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in entry.items()}
+        for entry in output.prompt_logprobs
+    ]
 
 
 def _usage(outputs: list[RequestOutput]) -> dict:
