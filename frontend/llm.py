@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +34,16 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.model)
         self._requests: RequestTracker[RequestState] = RequestTracker()
         self._ids = itertools.count()
-        self.client = EngineClient(self.config, self._on_outputs, self._on_death)
+        # The client's thread must not keep this object alive: it calls back
+        # through a weak reference, so that `del llm` (or leaving its scope)
+        # lets the finalizer stop the engine processes.
+        me = weakref.ref(self)
+        self.client = EngineClient(
+            self.config,
+            lambda outputs: (llm := me()) is not None and llm._on_outputs(outputs),
+            lambda reason: (llm := me()) is not None and llm._on_death(reason),
+        )
+        self._stop_engines = weakref.finalize(self, self.client.shutdown, self.config.frontend.shutdown_timeout)
         self.client.start_engines()
 
     # ---- public API ------------------------------------------------------------------------
@@ -90,7 +100,8 @@ class LLM:
         return self.client.call_utility(method, *args)
 
     def shutdown(self) -> None:
-        self.client.shutdown(self.config.frontend.shutdown_timeout)
+        """Stop the engine processes (also when this object is deleted or collected)."""
+        self._stop_engines()
 
     def __enter__(self) -> LLM:
         return self
@@ -98,10 +109,6 @@ class LLM:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    def __del__(self) -> None:
-        client = getattr(self, "client", None)
-        if client is not None:
-            client.shutdown(2.0)
 
     # ---- internals -------------------------------------------------------------------------
 

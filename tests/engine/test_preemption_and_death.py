@@ -64,3 +64,10 @@ def test_uni_executor_runs_the_worker_inside_the_engine_process(tiny_llama_dir):
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [greedy(model, p, 6) for p in prompts]
     assert_no_fleet_processes()
+
+
+def test_deleting_the_llm_stops_its_processes(tiny_llama_dir):
+    llm = fleet.LLM(str(tiny_llama_dir), dtype="float32", device="cpu", kv_cache_memory_bytes="4M")
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    del llm  # no shutdown(), no `with`: the engine processes go with the object
+    assert_no_fleet_processes()
