@@ -14,6 +14,8 @@ COMMANDS = {
     "serve": "The same as launch (vLLM's name for it).",
     "plan": "Print this node's resolved launch plan as JSON; starts nothing and reads no weights.",
     "prepare": "Build the CPU kernels and convert the model's files now, so that the first launch starts at once.",
+    "bench": "`fleet bench serve --base-url URL ...`: load a running OpenAI-compatible server and report "
+             "throughput and latencies (vLLM's `vllm bench serve`).",
 }
 
 
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(message)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command == "bench":
+        return _bench(rest)
     parser = launch_parser(command)
     _, engine_args = parse_engine_args(parser, rest)
     from fleet.frontend.plan import build_node_plan, describe
@@ -65,6 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     from fleet.frontend.launcher import launch
 
     return launch(config, plan)
+
+
+def _bench(argv: list[str]) -> int:
+    if argv[:1] != ["serve"]:
+        sys.stderr.write("fleet bench: error: the only benchmark is `serve`: fleet bench serve --help\n")
+        return 2
+    from fleet.frontend.bench_serve import main as bench_serve
+
+    bench_serve(argv[1:])
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""scripts/bench_serve.py end to end: the script as a subprocess against a real
-`fleet launch`, and its stream parsing against streams that go wrong."""
+"""`fleet bench serve` (and scripts/bench_serve.py, the same by path) end to
+end: a subprocess against a real `fleet launch`, and its stream parsing
+against streams that go wrong."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import socket
@@ -19,6 +19,7 @@ from fleet.tests.frontend.server import Server
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
+"""The same load generator as `fleet bench serve`, run by path as shared/bench does."""
 NUM_PROMPTS, OUTPUT_LEN = 8, 8
 
 
@@ -29,16 +30,20 @@ def server(tiny_llama_dir):
     assert server.stop() == 0
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+FLEET_BENCH_SERVE = ("-P", "-m", "fleet.frontend.cli", "bench", "serve")
 
 
-def bench(server: Server, tiny_llama_dir: str, tmp_path: Path, *extra: str) -> dict:
+def run_script(*args: str, command: tuple[str, ...] = (str(SCRIPT),)) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *command, *args], capture_output=True, text=True, timeout=60)
+
+
+def bench(server: Server, tiny_llama_dir: str, tmp_path: Path, *extra: str,
+          command: tuple[str, ...] = (str(SCRIPT),)) -> dict:
     result_json = tmp_path / "result.json"
     done = run_script(
         "--base-url", server.url, "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", "4",
         "--random-input-len", "16", "--random-output-len", str(OUTPUT_LEN), "--tokenizer", str(tiny_llama_dir),
-        "--result-json", str(result_json), "--label", "tiny", *extra,
+        "--result-json", str(result_json), "--label", "tiny", *extra, command=command,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Serving Benchmark Result (tiny)" in done.stdout
@@ -57,8 +62,8 @@ def assert_all_served(result: dict) -> None:
     assert result["median_itl_ms"] >= 0
 
 
-def test_completions(server, tiny_llama_dir, tmp_path):
-    result = bench(server, tiny_llama_dir, tmp_path)
+def test_completions_with_fleet_bench_serve(server, tiny_llama_dir, tmp_path):
+    result = bench(server, tiny_llama_dir, tmp_path, command=FLEET_BENCH_SERVE)
     assert_all_served(result)
     assert result["model"] == server.get("/v1/models").json()["data"][0]["id"]
     assert result["endpoint"] == "/v1/completions"
@@ -93,11 +98,9 @@ def test_unreachable_server_fails_clearly():
 
 @pytest.fixture(scope="module")
 def bench_serve():
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    from fleet.frontend import bench_serve
+
+    return bench_serve
 
 
 def send_to_fake(bench_serve, events: list[str], status: int = 200):
