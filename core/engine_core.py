@@ -112,12 +112,11 @@ class EngineCore:
 
     def _group_by_client(self, outputs: list[EngineCoreOutput]) -> dict[int, EngineCoreOutputs]:
         now = time.time()
-        stats = self.scheduler.make_stats()
         grouped: dict[int, EngineCoreOutputs] = {}
 
         def bucket(client: int) -> list[EngineCoreOutput]:
             if client not in grouped:
-                grouped[client] = EngineCoreOutputs(self.dp_rank, [], now, stats)
+                grouped[client] = EngineCoreOutputs(self.dp_rank, [], now)
             return grouped[client].outputs
 
         for client, output in self.rejected:
@@ -128,7 +127,22 @@ class EngineCore:
             if output.finish_reason is not None:
                 self.client_of_request.pop(output.request_id, None)
             bucket(client).append(output)
+        self._attach_stats(grouped)
         return grouped
+
+    def _attach_stats(self, grouped: dict[int, EngineCoreOutputs]) -> None:
+        """The scheduler's stats go out with the outputs. The counts since
+        the last stats (prefix-cache lookups, preemptions) go to one client
+        only, so that the API servers' counters add up; a step with no
+        outputs keeps them for the next one that has some."""
+        if not grouped:
+            return
+        stats = self.scheduler.make_stats()
+        first, *others = sorted(grouped)
+        grouped[first].scheduler_stats = stats
+        occupancy = msgspec.structs.replace(stats, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+        for client in others:
+            grouped[client].scheduler_stats = occupancy
 
     def load(self) -> EngineLoad:
         scheduler = self.scheduler

@@ -78,6 +78,10 @@ class EngineCoreOutput(Struct):
     """The stop token id (or stop string, set by the front end) that ended the request."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache."""
+    queue_time: float | None = None
+    """Seconds from the engine's receipt of the request to its first scheduling; on the output with its first token."""
+    prefill_time: float | None = None
+    """Seconds from the first scheduling to the first token; on the output with its first token."""
 
 
 class SchedulerStats(Struct):

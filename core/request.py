@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import time
 from array import array
 from collections.abc import Collection
 
@@ -75,6 +76,9 @@ class Request:
         self.client_index: int = core_request.client_index
         self.priority: int = core_request.priority
         self.arrival_time: float = core_request.arrival_time
+        self.received_at = time.monotonic()
+        """When this engine took the request (its own clock: queue times need no clock agreement)."""
+        self.first_scheduled_at: float | None = None
         self.sampling_params: SamplingParams = core_request.sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -196,6 +200,8 @@ class Request:
             self.num_cached_tokens = num_computed_tokens
         self.num_computed_tokens = num_computed_tokens
         self.status = RequestStatus.RUNNING
+        if self.first_scheduled_at is None:
+            self.first_scheduled_at = time.monotonic()
 
     def advance(self, num_new_computed_tokens: int) -> None:
         """The workers computed the KV of `num_new_computed_tokens` more tokens."""

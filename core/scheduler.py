@@ -15,6 +15,7 @@ ModelRunnerOutput with its step_id.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Iterable
 
 from fleet.config.cache import CacheConfig
@@ -245,7 +246,7 @@ class Scheduler:
     def _output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None = None
     ) -> EngineCoreOutput:
-        return EngineCoreOutput(
+        output = EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
             new_logprobs=new_logprobs,
@@ -254,6 +255,11 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
         )
+        first_token = new_token_ids and request.num_output_tokens == len(new_token_ids)
+        if first_token and request.first_scheduled_at is not None:
+            output.queue_time = request.first_scheduled_at - request.received_at
+            output.prefill_time = time.monotonic() - request.first_scheduled_at
+        return output
 
     def _release(self, request: Request) -> None:
         """A finished request leaves: blocks back to the pool, workers told to drop it."""

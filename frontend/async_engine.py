@@ -92,7 +92,7 @@ class AsyncEngine:
                 elif state.apply(index, update):
                     self.client.abort([children[index].request_id], engine)  # a stop string ended it
                 if state.output.finished:
-                    self.metrics.observe_finished(state.output, time.monotonic() - tracked.arrival, dp_rank)
+                    self.metrics.observe_finished(state.output, params, time.monotonic() - tracked.arrival, dp_rank)
                 yield state
         finally:
             self.balancer.finished(engine, len(children))

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import itertools
-import weakref
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 

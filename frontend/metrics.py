@@ -4,9 +4,15 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fleet.core.messages import SchedulerStats
+from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.output_processor import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                        480.0, 960.0, 1920.0, 7680.0)
+"""vLLM's buckets for the phases of a request (queue, prefill, decode, inference)."""
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class Metrics:
@@ -30,6 +36,26 @@ class Metrics:
         self.time_to_first_token = Histogram("fleet:time_to_first_token_seconds", "Time to first token.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
         self.inter_token_latency = Histogram("fleet:inter_token_latency_seconds", "Time between tokens.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
         self.e2e_latency = Histogram("fleet:e2e_request_latency_seconds", "Request latency, arrival to finish.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**labels)
+        def histogram(name: str, text: str, buckets: tuple) -> Histogram:
+            return Histogram(name, text, ["model_name"], buckets=buckets, registry=r).labels(**labels)
+
+        self.queue_time = histogram("fleet:request_queue_time_seconds", "Time waiting in the engine before the "
+                                    "first scheduling.", REQUEST_TIME_BUCKETS)
+        self.prefill_time = histogram("fleet:request_prefill_time_seconds", "Time from the first scheduling to the "
+                                      "first token.", REQUEST_TIME_BUCKETS)
+        self.decode_time = histogram("fleet:request_decode_time_seconds", "Time from the first token to the last.",
+                                     REQUEST_TIME_BUCKETS)
+        self.inference_time = histogram("fleet:request_inference_time_seconds", "Time from the first scheduling to "
+                                        "the last token.", REQUEST_TIME_BUCKETS)
+        self.time_per_output_token = histogram("fleet:time_per_output_token_seconds", "Decode time of a request per "
+                                               "output token after the first.", LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("fleet:request_prompt_tokens", "Prompt tokens per request.",
+                                               TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = histogram("fleet:request_generation_tokens", "Generated tokens per "
+                                                   "request (all n sequences).", TOKEN_COUNT_BUCKETS)
+        self.request_max_tokens = histogram("fleet:request_params_max_tokens", "max_tokens of requests.",
+                                            TOKEN_COUNT_BUCKETS)
+        self.request_n = histogram("fleet:request_params_n", "n of requests.", N_BUCKETS)
         self.tracked_requests = Gauge(
             "fleet:api_server_tracked_requests", "Engine requests this API server holds state for.", registry=r
         )
@@ -43,11 +69,30 @@ class Metrics:
         self.prefix_hits(engine).inc(stats.prefix_cache_hits)
         self.preemptions(engine).inc(stats.num_preemptions)
 
-    def observe_finished(self, output: RequestOutput, latency: float, engine: int) -> None:
+    def observe_finished(self, output: RequestOutput, params: SamplingParams, latency: float, engine: int) -> None:
         for sequence in output.outputs:
             reason = sequence.finish_reason or "unknown"
             self.request_success.labels(model_name=self.model_name, engine=str(engine), finished_reason=reason).inc()
         self.e2e_latency.observe(latency)
+        generated = sum(len(sequence.token_ids) for sequence in output.outputs)
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(generated)
+        if params.max_tokens is not None:
+            self.request_max_tokens.observe(params.max_tokens)
+        self.request_n.observe(params.n)
+        self._observe_phases(output, generated)
+
+    def _observe_phases(self, output: RequestOutput, generated: int) -> None:
+        timing = output.metrics
+        if timing is None or timing.time_in_queue is None:
+            return  # no token came (an error before the first)
+        self.queue_time.observe(timing.time_in_queue)
+        self.prefill_time.observe(timing.prefill_time)
+        self.decode_time.observe(timing.decode_time)
+        self.inference_time.observe(timing.prefill_time + timing.decode_time)
+        sequences = len(output.outputs)
+        if generated > sequences:
+            self.time_per_output_token.observe(timing.decode_time / (generated - sequences))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,6 +7,7 @@ each), so the engine only ever samples one sequence per request.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -34,10 +35,40 @@ class CompletionOutput:
     logprobs: SequenceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    """The sum of the sampled tokens' logprobs; None unless the request asked for logprobs."""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """When things happened to one request (vLLM's RequestOutput.metrics). Times are time.time()."""
+
+    arrival_time: float
+    """The front end took the request."""
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    time_in_queue: float | None = None
+    """Seconds it waited in the engine before it was first scheduled."""
+    prefill_time: float | None = None
+    """Seconds from its first scheduling to its first token, in the engine."""
+
+    @property
+    def first_scheduled_time(self) -> float | None:
+        if self.first_token_time is None or self.prefill_time is None:
+            return None
+        return self.first_token_time - self.prefill_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """From the first token to the last."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
 
 
 @dataclass
@@ -48,6 +79,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     prompt_logprobs: SequenceLogprobs | None = None
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
     @property
     def finished(self) -> bool:
@@ -78,7 +110,8 @@ class RequestState:
     """One user request while it runs: its sequences and their detokenizers."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer):
-        self.output = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(i) for i in range(params.n)])
+        self.output = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(i) for i in range(params.n)],
+                                    metrics=RequestMetrics(arrival_time=time.time()))
         self.params = params
         self.tokenizer = tokenizer
         self.detokenizers = [IncrementalDetokenizer(tokenizer, prompt_token_ids, params) for _ in range(params.n)]
@@ -96,7 +129,11 @@ class RequestState:
         stop_string = detokenizer.append(shown)
         sequence.text = detokenizer.text
         if engine_output.new_logprobs is not None and self.params.logprobs is not None:
-            sequence.logprobs = (sequence.logprobs or []) + [self._as_dict(lp) for lp in engine_output.new_logprobs]
+            new = [self._as_dict(lp) for lp in engine_output.new_logprobs]
+            sequence.logprobs = (sequence.logprobs or []) + new
+            sampled = sum(entry[token].logprob for entry, token in zip(new, engine_output.new_token_ids, strict=True))
+            sequence.cumulative_logprob = (sequence.cumulative_logprob or 0.0) + sampled
+        self._time(engine_output)
         if engine_output.prompt_logprobs is not None and index == 0:
             # Arrive chunk by chunk; position 0 has no logprob (nothing predicts it).
             self.output.prompt_logprobs = (self.output.prompt_logprobs or [None]) + [
@@ -104,17 +141,28 @@ class RequestState:
             ]
         if engine_output.num_cached_tokens:
             self.output.num_cached_tokens = engine_output.num_cached_tokens
-        if stop_string is not None and sequence.finish_reason is None:
+        ended_by_stop_string = stop_string is not None and sequence.finish_reason is None
+        if ended_by_stop_string:
             sequence.finish_reason, sequence.stop_reason = "stop", stop_string
-            return True
-        if engine_output.finish_reason is not None and sequence.finish_reason is None:
+        elif engine_output.finish_reason is not None and sequence.finish_reason is None:
             sequence.finish_reason, sequence.stop_reason = engine_output.finish_reason, engine_output.stop_reason
-        return False
+        if self.output.finished and self.output.metrics.finished_time is None:
+            self.output.metrics.finished_time = time.time()
+        return ended_by_stop_string
+
+    def _time(self, engine_output: EngineCoreOutput) -> None:
+        metrics, now = self.output.metrics, time.time()
+        if engine_output.new_token_ids:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                metrics.time_in_queue, metrics.prefill_time = engine_output.queue_time, engine_output.prefill_time
+            metrics.last_token_time = now
 
     def fail(self, reason: str) -> None:
         for sequence in self.output.outputs:
             if sequence.finish_reason is None:
                 sequence.finish_reason, sequence.stop_reason = "error", reason
+        self.output.metrics.finished_time = self.output.metrics.finished_time or time.time()
 
     def _as_dict(self, logprobs: TokenLogprobs) -> dict[int, Logprob]:
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)

@@ -64,7 +64,19 @@ def test_logprobs_match_log_softmax(llm_and_model):
     for position in range(1, len(prompt)):
         entry = output.prompt_logprobs[position][prompt[position]]
         assert abs(entry.logprob - reference[position - 1][prompt[position]].item()) < 1e-4
+    expected_sum = sum(reference[len(prompt) - 1 + step][token].item() for step, token in enumerate(sequence.token_ids))
+    assert sequence.cumulative_logprob == pytest.approx(expected_sum, abs=1e-3)
+    assert llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].cumulative_logprob is None
     assert_all_blocks_free(llm)
+
+
+def test_request_metrics_say_when_things_happened(llm_and_model):
+    llm, _ = llm_and_model
+    output = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=5, min_tokens=5), use_tqdm=False)[0]
+    timing = output.metrics
+    assert timing.arrival_time <= timing.first_scheduled_time <= timing.first_token_time
+    assert timing.first_token_time <= timing.last_token_time <= timing.finished_time
+    assert timing.time_in_queue >= 0 and timing.prefill_time >= 0 and timing.decode_time > 0
 
 
 def test_seed_reproducible_whatever_the_batch(llm_and_model):
