@@ -49,6 +49,7 @@ class Launcher:
         signal.signal(signal.SIGTERM, self._request_stop)
         signal.signal(signal.SIGINT, self._request_stop)
         start = time.monotonic()
+        self._say_what_starts()
         try:
             self._start()
         except (processes.ChildFailed, processes.StartupTimeout, processes.NodeMissing, OSError) as error:
@@ -59,6 +60,13 @@ class Launcher:
         elapsed = time.monotonic() - start
         logger.info("serving %s on %s (ready in %.1f s)", self.config.model.served_model_name, self.url, elapsed)
         return self._supervise()
+
+    def _say_what_starts(self) -> None:
+        model, plan = self.config.model, self.plan
+        workers = sum(len(engine.workers) for engine in plan.engine_cores) + len(plan.workers_of_remote_engines)
+        logger.info("starting %s (%s, %s, context %d): %d API server(s), %d engine core(s), %d worker(s)%s",
+                    model.model, model.architecture, model.dtype, model.max_model_len, len(plan.api_servers),
+                    len(plan.engine_cores), workers, " and the DP coordinator" if plan.dp_coordinator else "")
 
     def _start(self) -> None:
         if self.config.parallel.nnodes > 1:

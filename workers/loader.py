@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,16 +39,22 @@ GGUF_IGNORED = {"rope_freqs"}
 
 
 def load_model(model_config: ModelConfig, load_config: LoadConfig, dtype: torch.dtype,
-               device: torch.device | str) -> nn.Module:
+               device: torch.device | str, show_progress: bool = False) -> nn.Module:
     """Build the model class of the config's architecture and fill its weights
-    (random ones for load_format "dummy")."""
+    (random ones for load_format "dummy"); `show_progress`: a progress bar on
+    a terminal (one worker of the node shows it)."""
     architecture = model_config.architecture or model_config.hf_config["architectures"][0]
     model = get_model_class(architecture)(model_config.hf_config, dtype, device)
     if load_config.load_format == "dummy":
         _init_dummy_weights(model)
     else:
         path = model_config.model_path or model_config.model
-        model.load_weights(iterate_weights(path, load_config.load_format, dtype))
+        weights = iterate_weights(path, load_config.load_format, dtype)
+        if show_progress and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            weights = tqdm(weights, desc="loading weights", unit=" tensors", leave=False)
+        model.load_weights(weights)
     device_type = torch.device(device).type
     if model_config.keeps_bfloat16_decode_weights(device_type):
         keep_bfloat16_decode_weights(model)

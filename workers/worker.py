@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -49,12 +50,21 @@ class Worker:
         rank = plan.replica_rank
         self.kv_cache_bytes = plan.kv_cache_bytes
         self.device = _init_device(plan)
+        started = time.monotonic()
         init_worker_groups(config, plan.dp_rank, rank, store)
+        if store is not None:
+            logger.info("joined the process group at %s:%d in %.1f s", store.host, store.port,
+                        time.monotonic() - started)
         torch.manual_seed(config.model.seed)
         dtype = TORCH_DTYPES[config.model.dtype]
         if self.device.type == "cpu" and rank == 0:
             cpu_dtype.warn_if_bfloat16_is_emulated(dtype)
-        model = load_model(config.model, config.load, dtype, self.device)
+        started = time.monotonic()
+        model = load_model(config.model, config.load, dtype, self.device, show_progress=plan.rank == 0)
+        weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        logger.info("loaded %s (%s, %s) in %.1f s: %.2f GiB of weights on %s", config.model.model,
+                    config.model.architecture, config.model.dtype, time.monotonic() - started, weight_bytes / 2**30,
+                    self.device)
         self.is_driver = rank == driver_rank(config.parallel)
         self.runner = ModelRunner(config, model, self.device, self.is_driver)
         if self.device.type == "cpu":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -33,6 +34,9 @@ def test_fleet_serve_is_launch_by_vllms_name(tiny_llama_dir):
     try:
         body = {"model": str(tiny_llama_dir), "prompt": [5, 17, 42], "max_tokens": 3, "min_tokens": 3}
         assert server.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
+        log = "".join(server.log)
+        assert "starting " in log and "1 engine core(s), 1 worker(s)" in log, "the launch says what it starts"
+        assert re.search(r"loaded .* in \d+\.\d s: \d+\.\d\d GiB of weights", log), "and how long the weights took"
     finally:
         assert server.stop() == 0
     server.assert_nothing_left()
