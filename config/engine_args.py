@@ -75,6 +75,7 @@ class EngineArgs:
     max_model_len: HumanInt | None = None
     seed: int = 0
     max_logprobs: int = 20
+    pooling_type: Literal["last", "mean"] = "last"
     generation_config: str = "auto"
     # parallel: ParallelConfig
     tensor_parallel_size: int = 1

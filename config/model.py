@@ -32,6 +32,8 @@ class ModelConfig:
     """Seed of the engine's random generator for requests that bring no seed of their own."""
     max_logprobs: int = 20
     """Most log-probabilities a request may ask for per token."""
+    pooling_type: Literal["last", "mean"] = "last"
+    """How embeddings (/v1/embeddings, LLM.embed) pool the final hidden states of a prompt: last (the last token's, vLLM's default for decoder models) or mean. Embeddings are L2-normalised."""
     generation_config: str = "auto"
     """Sampling defaults for requests that leave them unset. auto: the model's generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens), as vLLM does; vllm: fleet's own (temperature 1, no truncation); or a directory holding a generation_config.json."""
 

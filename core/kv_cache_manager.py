@@ -186,12 +186,14 @@ class KVCacheManager:
 
         Never the whole sequence: the last token must be computed so that the model
         yields logits, so the hit is capped at num_tokens - 1 rounded down to a block.
-        Requests asking for prompt logprobs skip the cache (cached positions produce none).
+        Requests asking for prompt logprobs skip the cache (cached positions produce none),
+        and so do embeddings by mean pooling (they need every position's hidden state).
 
         Returns:
             (blocks to pass to allocate_slots, number of tokens they hold)
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        needs_every_position = request.sampling_params.prompt_logprobs is not None or request.pooling == "mean"
+        if not self.enable_caching or needs_every_position:
             return [], 0
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -33,6 +33,9 @@ class EngineCoreRequest(Struct, tag=True):
     """Index of the API server (or LLM client) that sent it: where outputs go."""
     priority: int = 0
     """Lower runs first under the priority policy."""
+    pooling: str | None = None
+    """"last" or "mean": an embedding request. Its prompt is computed and its
+    pooled final hidden state comes back (EngineCoreOutput.embedding); no token is sampled."""
 
 
 class Abort(Struct, tag=True):
@@ -82,6 +85,8 @@ class EngineCoreOutput(Struct):
     """Seconds from the engine's receipt of the request to its first scheduling; on the output with its first token."""
     prefill_time: float | None = None
     """Seconds from the first scheduling to the first token; on the output with its first token."""
+    embedding: list[float] | None = None
+    """An embedding request's result (it finishes with it)."""
 
 
 class SchedulerStats(Struct):
@@ -131,6 +136,8 @@ class NewRequestData(Struct):
     num_computed_tokens: int
     output_token_ids: list[int] = []
     """Tokens generated before a preemption; empty for a fresh request."""
+    pooling: str | None = None
+    """An embedding request's pooling (EngineCoreRequest.pooling)."""
 
 
 class CachedRequestData(Struct):
@@ -180,6 +187,8 @@ class ModelRunnerOutput(Struct, tag=True):
     """Per request, the prompt positions computed this step."""
     failed: dict[str, str] = {}
     """Requests that could not sample this step, with why: they end with an error."""
+    embeddings: dict[str, list[float]] = {}
+    """Embedding requests whose prompt was completed this step: their pooled, L2-normalised final hidden state."""
 
 
 class WorkerUtilityResult(Struct, tag=True):

@@ -80,6 +80,7 @@ class Request:
         """When this engine took the request (its own clock: queue times need no clock agreement)."""
         self.first_scheduled_at: float | None = None
         self.sampling_params: SamplingParams = core_request.sampling_params
+        self.pooling: str | None = core_request.pooling
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.block_size = block_size

@@ -217,9 +217,14 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.advance(num_tokens)
             failure = runner_output.failed.get(request_id)
+            embedding = runner_output.embeddings.get(request_id)
             if failure is not None:
                 request.finish(RequestStatus.FINISHED_ERROR, reason=failure)
                 output = self._output(request, [])
+            elif embedding is not None:
+                request.finish(RequestStatus.FINISHED_STOPPED)
+                output = self._output(request, [])
+                output.embedding = embedding
             else:
                 output = self._apply_sample(request, runner_output, sample_index.get(request_id))
             self.kv_cache_manager.cache_full_blocks(request)

@@ -58,6 +58,7 @@ class SchedulerOutputBuilder:
                     block_ids=step.new_block_ids[request_id],
                     num_computed_tokens=request.num_computed_tokens,
                     output_token_ids=list(request.output_token_ids),
+                    pooling=request.pooling,
                 ))
             else:
                 cached_requests.append(CachedRequestData(

@@ -30,7 +30,14 @@ from fleet.frontend.async_engine import AsyncEngine, ServerStopping
 from fleet.frontend.engine_client import EngineDeadError
 from fleet.frontend.gatekeeper import BodyTooLarge, Gatekeeper, error_body, error_response, too_large
 from fleet.frontend.metrics import Metrics
-from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, now
+from fleet.frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+    now,
+)
 from fleet.frontend.serving import RequestFailed, Serving
 
 logger = logging.getLogger(__name__)
@@ -173,6 +180,18 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
         if body.stream:
             return _stream(serving.completion_stream(body, prepared))
         return await _unless_disconnected(serving.completion(body, prepared), request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        check_model(body.model)
+        inputs = body.inputs()
+        if not inputs:
+            raise InvalidParameter("input", "the input is empty")
+        try:
+            prompts = await off_loop(lambda: [serving.tokenize_prompt(prompt) for prompt in inputs])
+        except InvalidParameter as error:
+            raise InvalidParameter("input", str(error)) from None
+        return await _unless_disconnected(serving.embeddings(body, prompts), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

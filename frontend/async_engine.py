@@ -62,17 +62,20 @@ class AsyncEngine:
         self.balancer = LoadBalancer([int.from_bytes(i, "little") for i in self.client.engine_identities])
 
     async def generate(
-        self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+        self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+        pooling: str | None = None,
     ) -> AsyncIterator[RequestState]:
         """Yield the request's state each time it changes, until it finishes.
-        Leaving the loop early (client gone) aborts the request in the engine."""
+        Leaving the loop early (client gone) aborts the request in the engine.
+        `pooling`: an embedding request (its state's output gets the embedding)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self._stopping is not None:
             raise self._stopping
         request_id = f"{self.client_index}-{next(self._ids)}"
         tracked = _Tracked(RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer), asyncio.Queue(), asyncio.get_running_loop())
-        children = child_requests(request_id, prompt_token_ids, params, time.time(), self.client_index, priority)
+        children = child_requests(request_id, prompt_token_ids, params, time.time(), self.client_index, priority,
+                                  pooling)
         engine = self.balancer.pick(len(children))
         state = tracked.state
         try:  # from here on, whatever fails (a send, the client leaving) leaves nothing tracked

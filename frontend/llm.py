@@ -17,6 +17,8 @@ from fleet.frontend.tokenizer import load_tokenizer, render_chat
 from fleet.workers.memory import check_fits, node_memory
 
 PromptType = str | list[int] | dict[str, Any]
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
+"""An embedding request samples nothing; max_tokens 1 makes the context check leave room for its prompt only."""
 
 
 class LLM:
@@ -88,6 +90,16 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True) -> list[RequestOutput]:
+        """One embedding per prompt, in order (RequestOutput.embedding): the
+        model's final hidden states pooled by --pooling-type (the last
+        token's, or the mean), L2-normalised."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) else list(prompts)
+        pooling = self.config.model.pooling_type
+        states = [self._submit(prompt, EMBEDDING_PARAMS, pooling) for prompt in prompt_list]
+        self._wait(states, use_tqdm)
+        return [state.output for state in states]
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets: the model's generation
         config (--generation-config), else SamplingParams' own defaults."""
@@ -112,12 +124,12 @@ class LLM:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _submit(self, prompt: PromptType, params: SamplingParams) -> RequestState:
+    def _submit(self, prompt: PromptType, params: SamplingParams, pooling: str | None = None) -> RequestState:
         params.validate(self.config.model.max_logprobs, self.config.model.hf_config.get("vocab_size"))
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
         state = RequestState(request_id, text, token_ids, params, self.tokenizer)
-        children = child_requests(request_id, token_ids, params, time.time(), client_index=0)
+        children = child_requests(request_id, token_ids, params, time.time(), client_index=0, pooling=pooling)
         self._requests.add(children, state)
         for child in children:
             self.client.add_request(child)

@@ -80,6 +80,8 @@ class RequestOutput:
     prompt_logprobs: SequenceLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None
+    """An embedding request's vector (LLM.embed, /v1/embeddings)."""
 
     @property
     def finished(self) -> bool:
@@ -90,14 +92,17 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
-def child_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float, client_index: int, priority: int = 0) -> list[EngineCoreRequest]:
-    """The n engine requests of one user request: n = 1 each, distinct seeds."""
+def child_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+                   client_index: int, priority: int = 0, pooling: str | None = None) -> list[EngineCoreRequest]:
+    """The n engine requests of one user request: n = 1 each, distinct seeds
+    (`pooling`: an embedding request, see EngineCoreRequest.pooling)."""
     children = []
     for index in range(params.n):
         seed = None if params.seed is None else params.seed + index
         child_params = SamplingParams(**{**_fields(params), "n": 1, "seed": seed})
         children.append(
-            EngineCoreRequest(child_request_id(request_id, index, params.n), prompt_token_ids, child_params, arrival_time, client_index, priority)
+            EngineCoreRequest(child_request_id(request_id, index, params.n), prompt_token_ids, child_params,
+                              arrival_time, client_index, priority, pooling)
         )
     return children
 
@@ -141,6 +146,8 @@ class RequestState:
             ]
         if engine_output.num_cached_tokens:
             self.output.num_cached_tokens = engine_output.num_cached_tokens
+        if engine_output.embedding is not None:
+            self.output.embedding = engine_output.embedding
         ended_by_stop_string = stop_string is not None and sequence.finish_reason is None
         if ended_by_stop_string:
             sequence.finish_reason, sequence.stop_reason = "stop", stop_string

@@ -340,6 +340,31 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
+class EmbeddingRequest(RequestBody):
+    """OpenAI's embeddings request."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _no_dimensions(self):
+        if self.dimensions is not None:
+            raise InvalidParameter("dimensions", "dimensions (shortened embeddings) is not supported by this model")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        """The texts or token-id lists to embed."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if value and all(isinstance(x, int) for x in value):
+            return [list(value)]  # type: ignore[arg-type]
+        return list(value)  # type: ignore[arg-type]
+
+
 class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -12,7 +14,7 @@ import msgspec
 from fleet.core.sampling_params import InvalidParameter, SamplingParams
 from fleet.frontend.async_engine import AsyncEngine
 from fleet.frontend.output_processor import CompletionOutput, Logprob, RequestOutput, RequestState
-from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, now, random_id
+from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, now, random_id
 from fleet.frontend.tokenizer import render_chat
 from fleet.frontend.tool_calls import ToolChoice
 
@@ -45,6 +47,26 @@ class Serving:
 
     def prepare(self, prompt: str | list[int], request, logprobs: int | None) -> Prepared:
         """Tokenise and build validated SamplingParams; raises InvalidParameter."""
+        prompt, token_ids = self.tokenize_prompt(prompt)
+        rest_of_context = self.max_model_len - len(token_ids)
+        # Completions without max_tokens stop at 16 tokens (OpenAI and vLLM); chat at the end of the context.
+        default_max_tokens = rest_of_context
+        if isinstance(request, CompletionRequest):
+            default_max_tokens = min(COMPLETION_MAX_TOKENS, rest_of_context)
+        params = request.sampling_params(default_max_tokens, logprobs, self.sampling_defaults)
+        params.validate(self.max_logprobs, self.vocab_size)
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidParameter(
+                "max_tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, {params.max_tokens} "
+                "for the completion). Please reduce the length of the prompt or max_tokens.",
+            )
+        return Prepared(prompt, token_ids, params)
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(the prompt's text, or None for token ids; its token ids), checked
+        against the vocabulary and the context length; raises InvalidParameter."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidParameter("prompt", "this model has no tokenizer: send token ids")
@@ -63,21 +85,7 @@ class Serving:
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, your prompt has {len(token_ids)} tokens.",
             )
-        rest_of_context = self.max_model_len - len(token_ids)
-        # Completions without max_tokens stop at 16 tokens (OpenAI and vLLM); chat at the end of the context.
-        default_max_tokens = rest_of_context
-        if isinstance(request, CompletionRequest):
-            default_max_tokens = min(COMPLETION_MAX_TOKENS, rest_of_context)
-        params = request.sampling_params(default_max_tokens, logprobs, self.sampling_defaults)
-        params.validate(self.max_logprobs, self.vocab_size)
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidParameter(
-                "max_tokens",
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, {params.max_tokens} "
-                "for the completion). Please reduce the length of the prompt or max_tokens.",
-            )
-        return Prepared(prompt, token_ids, params)
+        return prompt, token_ids
 
     def prepare_chat(self, request: ChatCompletionRequest, logprobs: int | None) -> tuple[Prepared, ToolChoice]:
         """The chat prompt (tools shown to the model), its SamplingParams and
@@ -177,6 +185,27 @@ class Serving:
         if request.stream_options and request.stream_options.include_usage:
             yield _event({**base, "choices": [], "usage": _usage(outputs)})
         yield "data: [DONE]\n\n"
+
+    # ---- embeddings ---------------------------------------------------------------------------
+
+    async def embeddings(self, request: EmbeddingRequest, prompts: list[tuple[str | None, list[int]]]) -> dict:
+        """One embedding per input, in order (the model's pooled final hidden states)."""
+        pooling = self.engine.config.model.pooling_type
+        params = SamplingParams(max_tokens=1)
+
+        async def embed(prompt: str | None, token_ids: list[int]) -> RequestOutput:
+            state = None
+            async for state in self.engine.generate(prompt, token_ids, params, pooling=pooling):
+                pass
+            _raise_if_failed(state.output)
+            return state.output
+
+        outputs = await asyncio.gather(*(embed(prompt, token_ids) for prompt, token_ids in prompts))
+        data = [{"object": "embedding", "index": index, "embedding": _encoded(output.embedding, request.encoding_format)}
+                for index, output in enumerate(outputs)]
+        prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+        return {"object": "list", "data": data, "model": self.answered_name(request),
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
     # ---- chat -------------------------------------------------------------------------------
 
@@ -379,6 +408,13 @@ def _raise_if_failed(output: RequestOutput) -> None:
     for sequence in output.outputs:
         if sequence.finish_reason == "error":
             raise RequestFailed(str(sequence.stop_reason))
+
+
+def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's encodings: floats, or base64 of little-endian float32."""
+    if encoding_format == "float":
+        return embedding
+    return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode()
 
 
 def _top(entry: dict[int, Logprob], token_id: int, top_k: int) -> list[tuple[int, Logprob]]:

@@ -28,6 +28,10 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None
     """A constrained request's grammar, on the driver (workers/structured_output.py)."""
+    pooling: str | None = None
+    """"last" or "mean" for an embedding request (no token is sampled)."""
+    hidden_sum: torch.Tensor | None = None
+    """Mean pooling: the sum of the final hidden states of the prompt positions computed so far."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,6 +88,7 @@ class CachedRequests:
             num_computed_tokens=new.num_computed_tokens,
             output_token_ids=list(new.output_token_ids),
             generator=generator,
+            pooling=new.pooling,
         )
 
     def _update(self, cached: CachedRequestData) -> None:

@@ -64,9 +64,13 @@ class ModelRunner:
             self.stage.send_next(hidden)
             return None
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        sampling = [i for i, state in enumerate(batch.requests) if batch.attention.seq_lens_list[i] >= state.num_tokens]
+        embeddings = self._pool(batch, hidden) if self.is_driver else {}
+        complete = [i for i, state in enumerate(batch.requests) if batch.attention.seq_lens_list[i] >= state.num_tokens]
+        sampling = [i for i in complete if batch.requests[i].pooling is None]
         if not sampling:
-            return ModelRunnerOutput(step_id, [], [], None, prompt_logprobs) if self.is_driver else None
+            if not self.is_driver:
+                return None
+            return ModelRunnerOutput(step_id, [], [], None, prompt_logprobs, embeddings=embeddings)
         last_token_index = batch.attention.query_start_loc[1:][sampling].long() - 1
         logits = self.model.compute_logits(hidden[last_token_index])  # collective over the TP group
         if not self.is_driver:  # only the driver (tensor rank 0) received the logits
@@ -83,7 +87,29 @@ class ModelRunner:
             logprobs=row_logprobs if any(lp is not None for lp in row_logprobs) else None,
             prompt_logprobs=prompt_logprobs,
             failed={request_ids[i]: error for i, error in errors.items()},
+            embeddings=embeddings,
         )
+
+    def _pool(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """Embedding requests: the pooled, L2-normalised final hidden state of
+        each whose prompt is complete after this step. Mean pooling adds up
+        each chunk's positions as the chunks come (a chunked prefill)."""
+        embeddings: dict[str, list[float]] = {}
+        offset = 0
+        for state, n, seq_len in zip(batch.requests, batch.attention.query_lens, batch.attention.seq_lens_list,
+                                     strict=True):
+            rows = hidden[offset : offset + n].float()
+            offset += n
+            if state.pooling is None:
+                continue
+            if state.pooling == "mean":
+                chunk_sum = rows.sum(dim=0)
+                state.hidden_sum = chunk_sum if state.hidden_sum is None else state.hidden_sum + chunk_sum
+            if seq_len < state.num_tokens:
+                continue  # more of the prompt to come
+            pooled = state.hidden_sum / seq_len if state.pooling == "mean" else rows[-1]
+            embeddings[state.request_id] = torch.nn.functional.normalize(pooled, dim=0).tolist()
+        return embeddings
 
     def _sampling_row(self, state: CachedRequestState) -> SamplingRow:
         params = state.params
