@@ -92,7 +92,7 @@ class Serving:
         how its reply is read; a forced tool choice constrains the output."""
         frontend = self.engine.config.frontend
         tools = ToolChoice(request.tool_dicts(), request.tool_choice_value(), frontend.tool_call_parser,
-                           frontend.enable_auto_tool_choice)
+                           frontend.enable_auto_tool_choice, request.parallel_tool_calls)
         prepared = self.prepare(self.chat_prompt(request), request, logprobs)
         forced = tools.constraint()
         if forced is not None:

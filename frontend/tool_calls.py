@@ -38,8 +38,10 @@ class ToolChoice:
     """A request's tools and tool_choice, checked against the server's flags."""
 
     def __init__(self, tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, parser: str | None,
-                 auto_enabled: bool):
+                 auto_enabled: bool, parallel_calls: bool = True):
         self.tools = {tool["function"]["name"]: tool["function"] for tool in tools or []}
+        self.parallel_calls = parallel_calls
+        """parallel_tool_calls: false allows one call per reply."""
         self.choice = choice if choice is not None else ("auto" if self.tools else "none")
         self.parser = parser
         if isinstance(self.choice, dict):
@@ -79,7 +81,10 @@ class ToolChoice:
             }
             for name, function in self.tools.items()
         ]
-        return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel_calls:
+            array["maxItems"] = 1
+        return StructuredOutputsParams(json=array)
 
     def content_prefix_length(self, text: str) -> int:
         """How much of a reply still being written is surely content (no tool call starts in it)."""
@@ -90,7 +95,11 @@ class ToolChoice:
         return CONTENT_BEFORE_CALLS[self.parser](text)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The reply's content and its calls."""
+        """The reply's content and its calls (the first only, without parallel calls)."""
+        content, calls = self._parse(text)
+        return content, calls if self.parallel_calls else calls[:1]
+
+    def _parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if isinstance(self.choice, dict):
             return None, [ToolCall(self.choice["name"], _compact(text))]
         if self.choice == "required":

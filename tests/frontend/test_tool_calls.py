@@ -87,6 +87,10 @@ def test_tool_choice_checks():
         ToolChoice(None, "required", "hermes", True)
     assert ToolChoice(TOOLS, "none", None, False).constraint() is None
     assert ToolChoice(None, None, None, False).choice == "none"
+    single = ToolChoice(TOOLS, "auto", "hermes", True, parallel_calls=False)
+    assert len(single.parse('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' * 2)[1]) == 1
+    assert single.constraint() is None and ToolChoice(TOOLS, "required", None, False, False).constraint().json[
+        "maxItems"] == 1
 
 
 # ---------------------------------------------------------------- a server with a tool-aware template
