@@ -12,13 +12,17 @@ from fleet.config.model import DEFAULT_MODEL
 from fleet.core.messages import EngineCoreOutputs
 from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.engine_client import EngineClient, EngineDeadError
-from fleet.frontend.output_processor import RequestOutput, RequestState, RequestTracker, child_requests
+from fleet.frontend.output_processor import (
+    EMBEDDING_PARAMS,
+    RequestOutput,
+    RequestState,
+    RequestTracker,
+    child_requests,
+)
 from fleet.frontend.tokenizer import load_tokenizer, render_chat
 from fleet.workers.memory import check_fits, node_memory
 
 PromptType = str | list[int] | dict[str, Any]
-EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
-"""An embedding request samples nothing; max_tokens 1 makes the context check leave room for its prompt only."""
 
 
 class LLM:

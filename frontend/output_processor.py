@@ -88,6 +88,11 @@ class RequestOutput:
         return all(output.finished for output in self.outputs)
 
 
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1)
+"""The params of an embedding request: it samples nothing, and max_tokens 1
+makes the context check leave room for its prompt only."""
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 

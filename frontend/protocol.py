@@ -228,12 +228,7 @@ class CompletionRequest(SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: texts or token-id lists."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return texts_or_token_lists(self.prompt)
 
 
 class ContentPart(OpenAIBase):
@@ -357,12 +352,7 @@ class EmbeddingRequest(RequestBody):
 
     def inputs(self) -> list[str | list[int]]:
         """The texts or token-id lists to embed."""
-        value = self.input
-        if isinstance(value, str):
-            return [value]
-        if value and all(isinstance(x, int) for x in value):
-            return [list(value)]  # type: ignore[arg-type]
-        return list(value)  # type: ignore[arg-type]
+        return texts_or_token_lists(self.input)
 
 
 class TokenizeRequest(RequestBody):
@@ -392,6 +382,15 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+def texts_or_token_lists(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's prompt forms as a list: one text, texts, one token-id list, token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(x, int) for x in value):
+        return [list(value)]  # type: ignore[arg-type]
+    return list(value)  # type: ignore[arg-type]
 
 
 def _arguments(arguments: str | dict[str, Any]) -> Any:

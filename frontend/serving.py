@@ -13,7 +13,7 @@ import msgspec
 
 from fleet.core.sampling_params import InvalidParameter, SamplingParams
 from fleet.frontend.async_engine import AsyncEngine
-from fleet.frontend.output_processor import CompletionOutput, Logprob, RequestOutput, RequestState
+from fleet.frontend.output_processor import EMBEDDING_PARAMS, CompletionOutput, Logprob, RequestOutput, RequestState
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, now, random_id
 from fleet.frontend.tokenizer import render_chat
 from fleet.frontend.tool_calls import ToolChoice
@@ -120,9 +120,10 @@ class Serving:
 
     # ---- running -------------------------------------------------------------------------
 
-    async def run_to_end(self, prepared: Prepared, priority: int) -> RequestOutput:
+    async def run_to_end(self, prepared: Prepared, priority: int = 0, pooling: str | None = None) -> RequestOutput:
         state = None
-        async for state in self.engine.generate(prepared.prompt, prepared.prompt_token_ids, prepared.params, priority):
+        params = prepared.params
+        async for state in self.engine.generate(prepared.prompt, prepared.prompt_token_ids, params, priority, pooling):
             pass
         assert state is not None
         _raise_if_failed(state.output)
@@ -191,16 +192,8 @@ class Serving:
     async def embeddings(self, request: EmbeddingRequest, prompts: list[tuple[str | None, list[int]]]) -> dict:
         """One embedding per input, in order (the model's pooled final hidden states)."""
         pooling = self.engine.config.model.pooling_type
-        params = SamplingParams(max_tokens=1)
-
-        async def embed(prompt: str | None, token_ids: list[int]) -> RequestOutput:
-            state = None
-            async for state in self.engine.generate(prompt, token_ids, params, pooling=pooling):
-                pass
-            _raise_if_failed(state.output)
-            return state.output
-
-        outputs = await asyncio.gather(*(embed(prompt, token_ids) for prompt, token_ids in prompts))
+        outputs = await asyncio.gather(*(self.run_to_end(Prepared(prompt, token_ids, EMBEDDING_PARAMS), pooling=pooling)
+                                         for prompt, token_ids in prompts))
         data = [{"object": "embedding", "index": index, "embedding": _encoded(output.embedding, request.encoding_format)}
                 for index, output in enumerate(outputs)]
         prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)

@@ -61,10 +61,6 @@ class ToolChoice:
     def forced(self) -> bool:
         return self.choice == "required" or isinstance(self.choice, dict)
 
-    @property
-    def reads_calls(self) -> bool:
-        return self.forced or self.choice == "auto"
-
     def constraint(self) -> StructuredOutputsParams | None:
         """The output constraint that makes a forced choice parse: the named
         function's arguments, or a list of {name, parameters} calls."""

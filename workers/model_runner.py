@@ -94,14 +94,15 @@ class ModelRunner:
         """Embedding requests: the pooled, L2-normalised final hidden state of
         each whose prompt is complete after this step. Mean pooling adds up
         each chunk's positions as the chunks come (a chunked prefill)."""
+        pooling_rows = [index for index, state in enumerate(batch.requests) if state.pooling is not None]
+        if not pooling_rows:
+            return {}
         embeddings: dict[str, list[float]] = {}
-        offset = 0
-        for state, n, seq_len in zip(batch.requests, batch.attention.query_lens, batch.attention.seq_lens_list,
-                                     strict=True):
-            rows = hidden[offset : offset + n].float()
-            offset += n
-            if state.pooling is None:
-                continue
+        starts = batch.attention.query_start_loc.tolist()
+        for index in pooling_rows:
+            state = batch.requests[index]
+            rows = hidden[starts[index] : starts[index + 1]].float()
+            seq_len = batch.attention.seq_lens_list[index]
             if state.pooling == "mean":
                 chunk_sum = rows.sum(dim=0)
                 state.hidden_sum = chunk_sum if state.hidden_sum is None else state.hidden_sum + chunk_sum
