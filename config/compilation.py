@@ -12,8 +12,14 @@ class CompilationConfig:
     """Compilation: what the workers compile (--compilation-config)."""
 
     mode: Literal["none", "torch_compile"] = "none"
-    """none: eager PyTorch. torch_compile: compile the decode step with torch.compile."""
+    """none: eager PyTorch, with fleet's fused CPU kernels. torch_compile (compiling the decode step) is not built yet: a launch that asks for it is refused rather than run eager under that name."""
     max_batch_size: HumanInt = 256
-    """Largest decode batch that runs compiled; larger ones run eager."""
+    """For torch_compile: the largest decode batch that would run compiled."""
     batch_sizes: list[int] = field(default_factory=list)
-    """Batch sizes compiled ahead of the first request. Empty: compile on first use."""
+    """For torch_compile: batch sizes to compile ahead of the first request."""
+
+    def check_built(self) -> None:
+        """Refuse a mode that would do nothing: ValueError naming the flag and what works."""
+        if self.mode != "none":
+            raise ValueError(f"--compilation-config mode {self.mode!r} is not built yet: fleet runs eager PyTorch "
+                             "with its fused CPU kernels; use mode none (the default)")

@@ -154,6 +154,7 @@ class EngineArgs:
             frontend = dataclasses.replace(frontend, api_key=env.api_key())
         if frontend.api_server_count < 1:
             raise ValueError(f"--api-server-count must be at least 1, got {frontend.api_server_count}")
+        self.compilation_config.check_built()
         if frontend.chat_template is not None:
             frontend = dataclasses.replace(frontend, chat_template=_read_chat_template(frontend.chat_template))
         if frontend.enable_auto_tool_choice and frontend.tool_call_parser is None:

@@ -238,9 +238,14 @@ def test_fleet_config_round_trips_through_msgspec(llama_config_dir):
         tensor_parallel_size=2,
         data_parallel_size=2,
         served_model_name=["x"],
-        compilation_config=CompilationConfig(mode="torch_compile", batch_sizes=[1, 2]),
+        compilation_config=CompilationConfig(batch_sizes=[1, 2]),
     )
     assert FleetConfig.decode(config.encode()) == config
+
+
+def test_a_compilation_mode_that_would_do_nothing_is_refused(llama_config_dir):
+    with pytest.raises(ValueError, match="--compilation-config mode 'torch_compile' is not built yet.*mode none"):
+        create(llama_config_dir, compilation_config=CompilationConfig(mode="torch_compile"))
 
 
 def test_fleet_config_is_frozen(llama_config_dir):
