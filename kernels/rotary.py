@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fleet.kernels.attention import triton_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -57,7 +59,12 @@ def cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
 def apply_rotary(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate query [T, H, D] and key [T, KVH, D] by their tokens' positions [T]."""
+    """Rotate query [T, H, D] and key [T, KVH, D] by their tokens' positions
+    [T]. On CUDA (Triton) in place: the callers pass views of the QKV
+    projection's fresh output."""
+    triton = triton_kernels(query, key)
+    if triton is not None:
+        return triton.rotate_(query, positions, cache), triton.rotate_(key, positions, cache)
     cos, sin = cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)  # each [T, 1, D/2]
     return _rotate(query, cos, sin), _rotate(key, cos, sin)
 

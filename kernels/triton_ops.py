@@ -1,0 +1,232 @@
+"""Triton kernels for CUDA workers: RMSNorm (and with the residual add fused),
+SiLU-and-mul, rotary embedding, writing K/V into the paged cache, and paged
+attention that reads K/V straight from the block table.
+
+The torch-level functions in kernels/ (rmsnorm.py, activation.py, rotary.py,
+attention.py) call these for CUDA tensors when Triton is installed (the
+`triton` extra); CPU tensors keep the C++ kernels. The tests run every kernel
+in Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors against the
+torch-native versions, so they are checked on a machine without a GPU.
+
+Every kernel loads in its tensors' dtype and computes in float32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def serves(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors are the kernels' to take: all on a CUDA device."""
+    return all(t.is_cuda for t in tensors)
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, x_stride, residual_stride,
+                     out_stride, residual_out_stride, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # The sum is rounded to the activations' dtype, as the torch version adds in that dtype.
+        residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (x + residual).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * residual_out_stride + cols, total, mask=mask)
+        x = total.to(tl.float32)
+    variance = tl.sum(x * x, axis=0) / hidden
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(variance + eps) * weight
+    tl.store(out_ptr + row * out_stride + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., hidden] -> x * rsqrt(mean(x^2) + eps) * weight, statistics in float32."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty_like(rows)
+    _launch_rms_norm(rows, None, weight, out, None, eps)
+    return out.view_as(x)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); neither input is modified."""
+    rows, residual_rows = x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1])
+    out, residual_out = torch.empty_like(rows), torch.empty_like(rows)
+    _launch_rms_norm(rows, residual_rows, weight, out, residual_out, eps)
+    return out.view_as(x), residual_out.view_as(x)
+
+
+def _launch_rms_norm(rows, residual, weight, out, residual_out, eps: float) -> None:
+    num_rows, hidden = rows.shape
+    if num_rows == 0:
+        return
+    has_residual = residual is not None
+    _rms_norm_kernel[(num_rows,)](
+        rows, residual if has_residual else rows, weight, out, residual_out if has_residual else out,
+        rows.stride(0), residual.stride(0) if has_residual else 0, out.stride(0),
+        residual_out.stride(0) if has_residual else 0, hidden, eps,
+        HAS_RESIDUAL=has_residual, BLOCK=triton.next_power_of_2(hidden),
+    )
+
+
+# ---- SiLU and mul -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + width + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * I] (gate, then up) -> silu(gate) * up [..., I]."""
+    rows = x.reshape(-1, x.shape[-1])
+    width = rows.shape[1] // 2
+    out = torch.empty(rows.shape[0], width, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = min(1024, triton.next_power_of_2(width))
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](
+            rows, out, rows.stride(0), out.stride(0), width, BLOCK=block)
+    return out.view(*x.shape[:-1], width)
+
+
+# ---- rotary embedding ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, positions_ptr, cache_ptr, token_stride, head_stride, cache_stride, num_heads,
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    position = tl.load(positions_ptr + token)
+    cols = tl.arange(0, HALF_PAD)
+    heads = tl.arange(0, HEADS_PAD)
+    col_mask = cols < HALF
+    mask = (heads[:, None] < num_heads) & col_mask[None, :]
+    cos = tl.load(cache_ptr + position * cache_stride + cols, mask=col_mask, other=0.0)
+    sin = tl.load(cache_ptr + position * cache_stride + HALF + cols, mask=col_mask, other=0.0)
+    first = x_ptr + token * token_stride + heads[:, None] * head_stride + cols[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos[None, :] - x2 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(first + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rotate_(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] in place by its tokens' positions [T] (NeoX
+    halves; cache [max_positions, D]: cos of each angle, then sin)."""
+    num_tokens, num_heads, head_dim = x.shape
+    if num_tokens:
+        half = head_dim // 2
+        _rotary_kernel[(num_tokens,)](
+            x, positions, cache, x.stride(0), x.stride(1), cache.stride(0), num_heads,
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), HEADS_PAD=triton.next_power_of_2(num_heads),
+        )
+    return x
+
+
+# ---- the paged KV cache -------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slots_ptr, key_stride, value_stride, cache_half,
+                     ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    cols = tl.arange(0, ROW_PAD)
+    mask = cols < ROW
+    key = tl.load(key_ptr + token * key_stride + cols, mask=mask)
+    value = tl.load(value_ptr + token * value_stride + cols, mask=mask)
+    tl.store(cache_ptr + slot * ROW + cols, key.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + cache_half + slot * ROW + cols, value.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' keys and values [T, KVH, D] at their slots of
+    kv_cache [2, num_blocks, block_size, KVH, D] (contiguous)."""
+    num_tokens = key.shape[0]
+    if num_tokens:
+        row = key.shape[1] * key.shape[2]
+        keys, values = key.reshape(num_tokens, row), value.reshape(num_tokens, row)
+        _write_kv_kernel[(num_tokens,)](
+            keys, values, kv_cache, slot_mapping, keys.stride(0), values.stride(0), kv_cache.stride(0),
+            ROW=row, ROW_PAD=triton.next_power_of_2(row),
+        )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, query_ptr, cache_ptr, tables_ptr, seq_index_ptr, kv_lens_ptr, scale,
+    query_stride_t, query_stride_h, out_stride_t, out_stride_h,
+    cache_stride_kv, cache_stride_block, cache_stride_slot, cache_stride_head, table_stride, block_size,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One program per (query row, KV head): the GROUP query heads that share
+    the KV head attend to the row's first kv_len tokens, found through the
+    sequence's block table; online softmax over tiles of BLOCK_N keys."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(seq_index_ptr + row)
+    kv_len = tl.load(kv_lens_ptr + row)
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + group
+    head_mask = (group < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    query = tl.load(query_ptr + row * query_stride_t + heads[:, None] * query_stride_h + dims[None, :],
+                    mask=head_mask, other=0.0).to(tl.float32)
+    best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for start in range(0, kv_len, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < kv_len
+        blocks = tl.load(tables_ptr + seq * table_stride + tokens // block_size, mask=token_mask, other=0)
+        slots = (blocks.to(tl.int64) * cache_stride_block + (tokens % block_size) * cache_stride_slot
+                 + kv_head * cache_stride_head)
+        kv_mask = token_mask[:, None] & (dims < HEAD_DIM)[None, :]
+        keys = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        values = tl.load(cache_ptr + cache_stride_kv + slots[:, None] + dims[None, :], mask=kv_mask,
+                         other=0.0).to(tl.float32)
+        scores = tl.sum(query[:, None, :] * keys[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_N]
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, axis=1))
+        rescale = tl.exp(best - new_best)
+        weights = tl.exp(scores - new_best[:, None])
+        total = total * rescale + tl.sum(weights, axis=1)
+        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * values[None, :, :], axis=1)
+        best = new_best
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a row with no keys gets zeros
+    tl.store(out_ptr + row * out_stride_t + heads[:, None] * out_stride_h + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_mask)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_index: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each query row [T, H, D] attends to the first kv_lens[t] tokens of
+    sequence seq_index[t] in kv_cache [2, num_blocks, block_size, KVH, D]
+    (block_tables [num_seqs, max_blocks]): decodes, prefill chunks and chunks
+    after a cached prefix alike, the causal mask being each row's kv_len."""
+    num_rows, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    out = torch.empty_like(query)
+    if num_rows:
+        group = num_heads // num_kv_heads
+        _paged_attention_kernel[(num_rows, num_kv_heads)](
+            out, query, kv_cache, block_tables, seq_index, kv_lens, scale,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+            kv_cache.shape[2],
+            GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim,
+            DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=32,
+        )
+    return out
