@@ -1,5 +1,6 @@
 """Mixture of experts: top-k routing and the experts' SwiGLU MLPs, torch-native
-(the CPU path, and the oracle for a future Triton kernel).
+(the CPU path, and the oracle for the Triton kernel that CUDA tensors take,
+kernels/triton_ops.py).
 
 Abbreviations: T tokens, H hidden size, E experts (E_local of them on this
 rank), I an expert's intermediate size (on this rank), k experts per token.
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fleet.kernels.activation import silu_and_mul
+from fleet.kernels.attention import triton_kernels
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +45,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     Returns:
         [T, H] in hidden's dtype, accumulated in float32.
     """
+    triton = triton_kernels(hidden, w13, w2)
+    if triton is not None:  # CUDA: grouped GEMMs with no host sync
+        return triton.fused_moe(hidden, w13, w2, topk_weights, topk_ids, expert_offset)
     num_tokens, num_local = hidden.shape[0], w13.shape[0]
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)  # [T, H]
     if num_tokens == 0:

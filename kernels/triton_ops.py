@@ -230,3 +230,108 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
             DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_N=32,
         )
     return out
+
+
+# ---- fused MoE ----------------------------------------------------------------------------------
+
+MOE_BLOCK_M = 16
+"""Rows of one expert's block: each expert's (token, slot) pairs are padded to a multiple of this."""
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr, weights_ptr, n, k, top_k,
+    a_stride, w_stride_expert, w_stride_n, out_stride,
+    ROWS_ARE_TOKENS: tl.constexpr, WEIGHTED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[row] = a[row] @ w[expert]^T for the BLOCK_M padded rows of one
+    expert: a's rows are the pairs' tokens (the first GEMM, reading the hidden
+    states) or the padded rows themselves (the second); WEIGHTED scales each
+    row by its routing weight."""
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= 0:
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(pairs_ptr + rows)
+        row_mask = pairs >= 0
+        if ROWS_ARE_TOKENS:
+            a_rows = tl.where(row_mask, pairs // top_k, 0)
+        else:
+            a_rows = rows
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for start in range(0, k, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            k_mask = ks < k
+            a = tl.load(a_ptr + a_rows[:, None].to(tl.int64) * a_stride + ks[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + expert.to(tl.int64) * w_stride_expert + cols[None, :] * w_stride_n + ks[:, None],
+                        mask=col_mask[None, :] & k_mask[:, None], other=0.0).to(tl.float32)
+            acc += tl.dot(a, w)
+        if WEIGHTED:
+            acc *= tl.load(weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
+    """kernels/moe.py's fused_moe as two grouped GEMMs over the experts routed
+    to (this rank's: expert_offset..), with no host sync: the pairs are
+    sorted and padded per expert on the device."""
+    num_tokens, hidden_size = hidden.shape
+    num_local, intermediate = w13.shape[0], w2.shape[2]
+    pairs, block_experts = _align_pairs(topk_ids.reshape(-1) - expert_offset, num_local)
+    rows, top_k = pairs.shape[0], topk_ids.shape[1]
+    # Padding rows stay zero through the activation; the second GEMM skips them.
+    gate_up = torch.zeros(rows, 2 * intermediate, dtype=hidden.dtype, device=hidden.device)
+    _moe_gemm(hidden, w13, gate_up, pairs, block_experts, topk_weights, top_k, rows_are_tokens=True)
+    activated = silu_and_mul(gate_up)
+    down = torch.empty(rows, hidden_size, dtype=torch.float32, device=hidden.device)
+    _moe_gemm(activated, w2, down, pairs, block_experts, topk_weights, top_k, rows_are_tokens=False)
+    # Each row back to its token; padded rows go to a spare row past the end.
+    tokens = torch.where(pairs >= 0, pairs // top_k, num_tokens)
+    out = torch.zeros(num_tokens + 1, hidden_size, dtype=torch.float32, device=hidden.device)
+    out.index_add_(0, tokens, down)
+    return out[:num_tokens].to(hidden.dtype)
+
+
+def _moe_gemm(a, w, out, pairs, block_experts, topk_weights, top_k: int, rows_are_tokens: bool) -> None:
+    n, k = w.shape[1], w.shape[2]
+    block_n, block_k = 32, 32
+    _moe_gemm_kernel[(block_experts.shape[0], triton.cdiv(n, block_n))](
+        a, w, out, pairs, block_experts, topk_weights.reshape(-1).float(), n, k, top_k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        ROWS_ARE_TOKENS=rows_are_tokens, WEIGHTED=not rows_are_tokens,
+        BLOCK_M=MOE_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+
+
+def _align_pairs(local_ids: torch.Tensor, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs routed to local experts, sorted by expert and
+    padded to MOE_BLOCK_M rows per expert: (pair index per row, -1 for
+    padding; expert per block of rows, -1 for blocks past the last). Sized
+    for the worst case, so that no count has to come back to the host."""
+    num_pairs, block = local_ids.shape[0], MOE_BLOCK_M
+    is_local = (local_ids >= 0) & (local_ids < num_local)
+    experts = torch.where(is_local, local_ids, num_local)  # pairs of other ranks sort last
+    order = torch.argsort(experts, stable=True)
+    counts = torch.bincount(experts, minlength=num_local + 1)[:num_local]
+    padded = (counts + block - 1) // block * block
+    padded_ends = torch.cumsum(padded, 0)
+    starts = torch.cumsum(counts, 0) - counts
+    capacity = num_pairs + num_local * (block - 1)
+    capacity = (capacity + block - 1) // block * block
+    sorted_experts = experts[order]
+    local_sorted = sorted_experts < num_local
+    expert_index = sorted_experts.clamp(max=num_local - 1)
+    rank = torch.arange(num_pairs, device=local_ids.device) - starts[expert_index]
+    destination = torch.where(local_sorted, padded_ends[expert_index] - padded[expert_index] + rank, capacity)
+    pairs = torch.full((capacity + 1,), -1, dtype=torch.int64, device=local_ids.device)
+    pairs.scatter_(0, destination, order)
+    block_starts = torch.arange(0, capacity, block, device=local_ids.device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
+    block_experts = torch.where(block_experts < num_local, block_experts, -1).to(torch.int32)
+    return pairs[:capacity], block_experts

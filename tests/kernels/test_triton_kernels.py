@@ -123,3 +123,25 @@ def test_a_row_with_no_keys_gets_zeros():
 
 def test_the_kernels_serve_cuda_tensors_only():
     assert not triton_ops.serves(torch.zeros(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,expert_offset", [(1, 0), (5, 0), (20, 2)])
+def test_fused_moe_matches_the_torch_experts(dtype, num_tokens, expert_offset):
+    """8 experts, this rank holding 4 of them from expert_offset (expert
+    parallel: pairs routed elsewhere add nothing here); with 1 token most
+    local experts get no pairs, and 20 pairs of one expert fill more than one block."""
+    from fleet.kernels.moe import fused_moe, select_experts
+
+    generator = torch.Generator().manual_seed(num_tokens)
+    hidden_size, intermediate, num_experts, num_local, top_k = 40, 24, 8, 4, 2
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(dtype)
+    w13 = (torch.randn(num_local, 2 * intermediate, hidden_size, generator=generator) / 6).to(dtype)
+    w2 = (torch.randn(num_local, hidden_size, intermediate, generator=generator) / 5).to(dtype)
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    if num_tokens == 20:
+        logits[:, expert_offset] += 10  # one expert takes every token: its pairs span two blocks
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    expected = fused_moe(hidden, w13, w2, weights, ids, expert_offset)
+    actual = triton_ops.fused_moe(hidden, w13, w2, weights, ids, expert_offset)
+    assert_close(actual, expected, dtype)
