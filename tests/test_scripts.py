@@ -70,3 +70,13 @@ def test_script_answers_help(script):
     done = subprocess.run([sys.executable, "-P", str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage" in done.stdout.lower()
+
+
+def test_gpu_smoke_says_plainly_it_did_not_run_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: scripts/gpu_smoke.py is run by hand there")
+    script = next(s for s in SCRIPTS if s.name == "gpu_smoke.py")
+    done = subprocess.run([sys.executable, "-P", str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout.startswith("NOT RUN: no CUDA device"), done.stdout + done.stderr

@@ -1,17 +1,22 @@
 """The Triton kernels (kernels/triton_ops.py) in Triton's interpreter on CPU
 tensors, against the torch-native versions that CPU workers without the
 fused kernels run: edge shapes (one token, block boundaries, ragged batches,
-GQA ratios, head_dim not a power of two), float32 and bfloat16.
+GQA ratios, head_dim not a power of two, empty expert groups), float32 and
+bfloat16. With FLEET_TRITON_TEST_DEVICE=cuda (scripts/gpu_smoke.py) the same
+cases run the compiled kernels on the GPU; the references stay on the CPU.
 
-Tolerances: float32 1e-5 (the same math in another order); bfloat16 one or
-two units in the last place (2e-2), since the interpreter rounds float32 to
-bfloat16 by truncation where torch rounds to nearest.
+Tolerances: float32 1e-5 (the same math in another order; 1e-3 on a GPU,
+whose tl.dot may use TF32); bfloat16 one or two units in the last place
+(2e-2), since the interpreter rounds float32 to bfloat16 by truncation where
+torch rounds to nearest.
 """
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops decorates its kernels
+DEVICE = os.environ.get("FLEET_TRITON_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops decorates its kernels
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -20,7 +25,7 @@ from fleet.kernels import triton_ops  # noqa: E402
 from fleet.kernels.attention import AttentionMetadata, set_cpu_kernels_enabled, write_kv_cache  # noqa: E402
 from fleet.kernels.rotary import apply_rotary, cos_sin_cache, inverse_frequencies, rope_parameters  # noqa: E402
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 1e-5 if DEVICE == "cpu" else 1e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -34,7 +39,13 @@ def torch_native_oracle():
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     tolerance = TOLERANCE[dtype]
-    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(actual.float().cpu(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def on(*tensors: torch.Tensor):
+    """The kernels' inputs on the device under test (the references keep the CPU copies)."""
+    moved = tuple(t.to(DEVICE) for t in tensors)
+    return moved if len(moved) > 1 else moved[0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -45,8 +56,8 @@ def test_rms_norm_and_the_fused_residual_add(dtype, rows, hidden):
     generator = torch.Generator().manual_seed(rows * hidden)
     x, residual = (torch.randn(rows, hidden, generator=generator).to(dtype) for _ in range(2))
     weight = (torch.rand(hidden, generator=generator) + 0.5).to(dtype)
-    assert_close(triton_ops.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), dtype)
-    normed, summed = triton_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert_close(triton_ops.rms_norm(*on(x, weight), 1e-6), rms_norm(x, weight, 1e-6), dtype)
+    normed, summed = triton_ops.fused_add_rms_norm(*on(x, residual, weight), 1e-6)
     expected_normed, expected_sum = fused_add_rms_norm(x, residual, weight, 1e-6)
     assert_close(summed, expected_sum, dtype)
     assert_close(normed, expected_normed, dtype)
@@ -58,7 +69,7 @@ def test_silu_and_mul(dtype, shape):
     from fleet.kernels.activation import silu_and_mul
 
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    assert_close(triton_ops.silu_and_mul(x), silu_and_mul(x), dtype)
+    assert_close(triton_ops.silu_and_mul(on(x)), silu_and_mul(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -69,7 +80,7 @@ def test_rotary_in_place(dtype, num_tokens, num_heads, head_dim):
     x = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
     positions = torch.randint(0, 64, (num_tokens,), generator=generator)
     expected, _ = apply_rotary(positions, x, x, cache.to(dtype))
-    rotated = triton_ops.rotate_(x.clone(), positions, cache.to(dtype))
+    rotated = triton_ops.rotate_(*on(x.clone(), positions, cache.to(dtype)))
     assert_close(rotated, expected, dtype)
 
 
@@ -103,13 +114,13 @@ def test_paged_attention_rows_match_torch(dtype, num_heads, num_kv_heads, head_d
     key, value = (torch.randn(num_rows, num_kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
     scale = head_dim ** -0.5
     expected = paged_attention(query, key, value, kv_cache.clone(), meta, scale)
-    triton_cache = kv_cache.clone()
-    triton_ops.write_kv_cache(key, value, triton_cache, meta.slot_mapping)
     reference_cache = kv_cache.clone()
     write_kv_cache(key, value, reference_cache, meta.slot_mapping)
-    assert torch.equal(triton_cache, reference_cache), "the new keys and values land in their slots"
+    triton_cache = on(kv_cache.clone())  # a copy on the CPU too: the write must be the kernel's own
+    triton_ops.write_kv_cache(*on(key, value), triton_cache, on(meta.slot_mapping))
+    assert torch.equal(triton_cache.cpu(), reference_cache), "the new keys and values land in their slots"
     seq_index, kv_lens = meta._token_rows
-    actual = triton_ops.paged_attention(query, triton_cache, meta.block_tables, seq_index, kv_lens, scale)
+    actual = triton_ops.paged_attention(on(query), triton_cache, *on(meta.block_tables, seq_index, kv_lens), scale)
     assert_close(actual, expected, dtype)
 
 
@@ -117,12 +128,14 @@ def test_a_row_with_no_keys_gets_zeros():
     generator = torch.Generator().manual_seed(0)
     kv_cache, meta = paged_batch([1], [4], 1, 16, 4, torch.float32, generator)
     query = torch.randn(1, 2, 16, generator=generator)
-    out = triton_ops.paged_attention(query, kv_cache, meta.block_tables, torch.tensor([0]), torch.tensor([0]), 0.25)
-    assert torch.equal(out, torch.zeros_like(out))
+    out = triton_ops.paged_attention(*on(query, kv_cache, meta.block_tables, torch.tensor([0]), torch.tensor([0])),
+                                     0.25)
+    assert torch.equal(out.cpu(), torch.zeros_like(query))
 
 
 def test_the_kernels_serve_cuda_tensors_only():
     assert not triton_ops.serves(torch.zeros(1))
+    assert triton_ops.serves(torch.zeros(1, device=DEVICE)) == (DEVICE == "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -143,5 +156,5 @@ def test_fused_moe_matches_the_torch_experts(dtype, num_tokens, expert_offset):
         logits[:, expert_offset] += 10  # one expert takes every token: its pairs span two blocks
     weights, ids = select_experts(logits, top_k, renormalize=True)
     expected = fused_moe(hidden, w13, w2, weights, ids, expert_offset)
-    actual = triton_ops.fused_moe(hidden, w13, w2, weights, ids, expert_offset)
+    actual = triton_ops.fused_moe(*on(hidden, w13, w2, weights, ids), expert_offset)
     assert_close(actual, expected, dtype)
