@@ -14,7 +14,7 @@ import torch
 
 from fleet.core.messages import TokenLogprobs
 from fleet.core.sampling_params import SamplingParams
-from fleet.workers.structured_output import GrammarState
+from fleet.workers.structured_output import GrammarState, allowed_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +91,16 @@ def _raw_logprobs_if_needed(logits: torch.Tensor, rows: list[SamplingRow]) -> to
 
 
 def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    if any(row.params.logit_bias or _masks_stop_ids(row) or row.params.needs_penalties or row.grammar for row in rows):
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if constrained or any(row.params.logit_bias or _masks_stop_ids(row) or row.params.needs_penalties for row in rows):
         logits = logits.clone()
         for i, row in enumerate(rows):
             _bias_mask_and_penalise(logits[i], row)
+    if constrained:  # all constrained rows' masks at once: one unpack, one fill
+        allowed = allowed_tokens([(rows[i].grammar, rows[i].output_token_ids) for i in constrained],
+                                 logits.shape[-1], logits.device)
+        index = torch.tensor(constrained, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     if all(row.params.greedy for row in rows):
         return logits
     temperatures = torch.tensor([row.params.temperature if not row.params.greedy else 1.0 for row in rows], dtype=logits.dtype, device=logits.device)
@@ -122,9 +128,6 @@ def _bias_mask_and_penalise(row_logits: torch.Tensor, row: SamplingRow) -> None:
     if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
         ids, counts = torch.tensor(row.output_token_ids, device=row_logits.device).unique(return_counts=True)
         row_logits[ids] -= params.frequency_penalty * counts.to(row_logits.dtype) + params.presence_penalty
-    if row.grammar is not None:
-        allowed = row.grammar.allowed_tokens(row.output_token_ids, row_logits.shape[-1], row_logits.device)
-        row_logits.masked_fill_(~allowed, float("-inf"))
 
 
 TOP_P_CANDIDATES = 1024

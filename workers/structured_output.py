@@ -62,8 +62,8 @@ class GrammarState:
         self.num_consumed = 0
         """Output tokens the matcher has followed."""
 
-    def allowed_tokens(self, output_token_ids: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[vocab_size] bool: the tokens the grammar allows after `output_token_ids`."""
+    def fill_mask(self, output_token_ids: list[int], words: np.ndarray) -> None:
+        """Write into `words` (int32, one bit per token) the tokens the grammar allows after `output_token_ids`."""
         from llguidance import LLMatcher
 
         if self.matcher is None:
@@ -72,10 +72,16 @@ class GrammarState:
         if new_tokens:
             self.matcher.consume_tokens(new_tokens)
             self.num_consumed = len(output_token_ids)
-        words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
         if not self.matcher.is_error():
             self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if self.matcher.is_error():
             raise GrammarError(f"the output left its grammar: {self.matcher.get_error().splitlines()[0]}")
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size]
-        return torch.from_numpy(bits.astype(np.bool_)).to(device)
+
+
+def allowed_tokens(rows: list[tuple[GrammarState, list[int]]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(rows), vocab_size] bool: for each (grammar, output tokens), the tokens it allows next."""
+    words = np.zeros((len(rows), (vocab_size + 31) // 32), dtype=np.int32)
+    for (grammar, output_token_ids), row_words in zip(rows, words, strict=True):
+        grammar.fill_mask(output_token_ids, row_words)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.view(np.bool_)).to(device)
