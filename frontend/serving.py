@@ -368,8 +368,9 @@ class StreamCursor:
 
 class ToolCallStream:
     """One streamed choice of a chat with tools: its text goes out as content
-    until a tool call may be starting; at the end, the calls go out whole (one
-    delta each), after the content before them."""
+    until a tool call may be starting; at the end, the calls go out whole in
+    one delta, with the content that followed them. What the client pieces
+    together is the non-streamed reply."""
 
     def __init__(self, tools: ToolChoice):
         self.tools = tools
@@ -384,10 +385,15 @@ class ToolCallStream:
             content, self.sent = text[self.sent : max(safe, self.sent)], max(safe, self.sent)
             return ({"content": content} if content else {}), []
         content, calls = self.tools.parse(text)
+        sent, unsent = text[: self.sent], text[self.sent :]
+        self.sent = len(text)
         if not calls:
-            rest, self.sent = text[self.sent :], len(text)
-            return ({"content": rest} if rest else {}), []
-        return {"tool_calls": [call.to_openai(index) for index, call in enumerate(calls)]}, calls
+            return ({"content": unsent} if unsent else {}), []
+        delta: dict = {"tool_calls": [call.to_openai(index) for index, call in enumerate(calls)]}
+        rest = (content or "")[len(sent.lstrip()) :]  # the reply's content is what was sent, then this
+        if rest:
+            delta["content"] = rest
+        return delta, calls
 
 
 def _finish_reason(sequence: CompletionOutput, calls: list) -> str | None:

@@ -14,6 +14,8 @@ import openai
 import pytest
 
 from fleet.core.sampling_params import InvalidParameter
+from fleet.frontend.output_processor import CompletionOutput
+from fleet.frontend.serving import ToolCallStream
 from fleet.frontend.tool_calls import ToolChoice, hermes_content_length, parse_hermes, parse_llama3_json
 from fleet.tests.frontend.server import Server
 
@@ -76,6 +78,22 @@ def test_streamed_content_stops_where_a_call_may_start():
     assert hermes_content_length("Hello <tool") == len("Hello ")
     assert hermes_content_length("Hello <tool_call>{") == len("Hello ")
     assert hermes_content_length("a < b") == len("a < b")
+
+
+def test_a_stream_pieces_together_the_replys_content_and_calls():
+    tools = ToolChoice(TOOLS, "auto", "hermes", True)
+    parts = ["Let me", " check.<tool", '_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
+             " Done."]
+    stream, sequence, content, calls = ToolCallStream(tools), CompletionOutput(0), "", []
+    for index, part in enumerate(parts):
+        sequence.text += part
+        sequence.finish_reason = "stop" if index == len(parts) - 1 else None
+        delta, calls = stream.advance(sequence)
+        assert "<tool" not in delta.get("content", ""), "no part of a call goes out as content"
+        content += delta.get("content", "")
+    whole_content, whole_calls = tools.parse(sequence.text)
+    assert content == whole_content == "Let me check. Done."
+    assert [call.name for call in calls] == [call.name for call in whole_calls] == ["get_time"]
 
 
 def test_tool_choice_checks():
