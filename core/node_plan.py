@@ -182,10 +182,11 @@ def engine_core_plans(
 def replica_workers(config: FleetConfig, dp_rank: int) -> list[WorkerPlan]:
     """The workers of replica `dp_rank` that this node starts; with the Ray
     executor every worker of the replica, on whichever node Ray places it."""
+    kv_cache_bytes = planned_kv_cache_bytes(config)  # reads the node's memory: once, not per worker
     if config.parallel.distributed_executor_backend == "ray":  # Ray shows each actor only its own GPU
-        return [_worker(config, rank, 0, 1) for rank in _replica_ranks(config, dp_rank)]
+        return [_worker(config, rank, 0, 1, kv_cache_bytes) for rank in _replica_ranks(config, dp_rank)]
     node_ranks = node_worker_ranks(config.parallel)
-    return [_worker(config, rank, rank - node_ranks.start, len(node_ranks))
+    return [_worker(config, rank, rank - node_ranks.start, len(node_ranks), kv_cache_bytes)
             for rank in _replica_ranks(config, dp_rank) if rank in node_ranks]
 
 
@@ -194,7 +195,8 @@ def _replica_ranks(config: FleetConfig, dp_rank: int) -> range:
     return range(dp_rank * size, (dp_rank + 1) * size)
 
 
-def _worker(config: FleetConfig, rank: int, local_rank: int, num_local_workers: int) -> WorkerPlan:
+def _worker(config: FleetConfig, rank: int, local_rank: int, num_local_workers: int,
+            kv_cache_bytes: int | None) -> WorkerPlan:
     coord = coord_of(config.parallel, rank)
     return WorkerPlan(
         name=worker_name(coord.dp, coord.pp, coord.tp),
@@ -206,5 +208,5 @@ def _worker(config: FleetConfig, rank: int, local_rank: int, num_local_workers: 
         local_rank=local_rank,
         num_local_workers=num_local_workers,
         device="cpu" if config.device.device == "cpu" else f"cuda:{local_rank}",
-        kv_cache_bytes=planned_kv_cache_bytes(config),
+        kv_cache_bytes=kv_cache_bytes,
     )

@@ -54,7 +54,7 @@ def test_llm_embed_matches_transformers_hidden_states(tiny_llama_dir, pooling):
 def test_embeddings_over_http_beside_generation(tiny_llama_dir):
     server = Server(tiny_llama_dir, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "4M")
     try:
-        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        client = server.openai_client()
         model = server.get("/v1/models").json()["data"][0]["id"]
         with ThreadPoolExecutor(2) as pool:
             generating = pool.submit(client.completions.create, model=model, prompt=PROMPTS[2], max_tokens=40,

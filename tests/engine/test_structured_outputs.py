@@ -118,7 +118,7 @@ def server(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused")
+    return server.openai_client()
 
 
 def chat(client, server, **fields) -> openai.types.chat.ChatCompletion:
@@ -188,7 +188,7 @@ def test_constraints_survive_preemption_on_two_replicas(tiny_llama_dir):
     server = Server(str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--max-model-len", "256",
                     "--kv-cache-memory-bytes", str(20 * 16 * 1024), "--dp", "2")
     try:
-        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        client = server.openai_client()
         model = server.get("/v1/models").json()["data"][0]["id"]
         prompt = list(range(5, 65))
         completion = client.completions.create(

@@ -95,6 +95,12 @@ class Server:
         _, alive = psutil.wait_procs(self.descendants, timeout=timeout)
         assert not alive, f"left behind: {[p.pid for p in alive]}"
 
+    def openai_client(self):
+        """The openai client, pointed at this server."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key="unused")
+
     def get(self, path: str, **kwargs) -> httpx.Response:
         return httpx.get(self.url + path, **{"timeout": 60, **kwargs})
 

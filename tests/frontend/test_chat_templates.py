@@ -84,7 +84,7 @@ def test_continue_final_message_goes_on_with_the_assistants_text(server, tiny_ll
     assert reply["usage"]["completion_tokens"] == 4 and reply["choices"][0]["message"]["content"]
     both = chat(server, messages=STORY, continue_final_message=True)
     assert both["error"]["param"] == "messages" and "add_generation_prompt" in both["error"]["message"]
-    client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+    client = server.openai_client()
     with pytest.raises(openai.BadRequestError, match="assistant message"):
         client.chat.completions.create(model=server.get("/v1/models").json()["data"][0]["id"], messages=STORY[:1],
                                        extra_body={"add_generation_prompt": False, "continue_final_message": True})

@@ -29,7 +29,7 @@ def server(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused")
+    return server.openai_client()
 
 
 @pytest.fixture(scope="module")

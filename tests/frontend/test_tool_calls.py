@@ -137,7 +137,7 @@ def server(tool_model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused")
+    return server.openai_client()
 
 
 def ask(client, server, **fields):
@@ -225,7 +225,7 @@ def test_bad_tool_choices_are_400s(client, server):
 def test_auto_tool_choice_needs_the_servers_flags(tiny_llama_dir):
     server = Server(str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "4M")
     try:
-        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        client = server.openai_client()
         with pytest.raises(openai.BadRequestError) as auto:
             ask(client, server, tools=TOOLS)
         assert "--enable-auto-tool-choice" in auto.value.body["message"]
