@@ -133,6 +133,11 @@ class EngineArgs:
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, parse_human_int(value))
+        # ... and a nested group as a dict, as vLLM's LLM takes it: LLM(compilation_config={"mode": ...}).
+        for name, cls in NESTED_GROUPS.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, cls(**value))
 
     def create_config(self) -> FleetConfig:
         """Resolve every default that depends on the model, the hardware and the
@@ -154,7 +159,7 @@ class EngineArgs:
             frontend = dataclasses.replace(frontend, api_key=env.api_key())
         if frontend.api_server_count < 1:
             raise ValueError(f"--api-server-count must be at least 1, got {frontend.api_server_count}")
-        self.compilation_config.check_built()
+        self.compilation_config.check_built(device.device, model.is_moe)
         if frontend.chat_template is not None:
             frontend = dataclasses.replace(frontend, chat_template=_read_chat_template(frontend.chat_template))
         if frontend.enable_auto_tool_choice and frontend.tool_call_parser is None:
@@ -272,8 +277,8 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: DeviceConfig,
     """auto: the checkpoint's dtype, except on a CPU, which computes in
     bfloat16 only where it does so natively (AVX512-BF16/AMX) and in float32
     elsewhere: emulated bfloat16 is 3-8x slower there (issue 13). float16
-    checkpoints run in bfloat16 on CPUs that have it. GGUF files, dequantised,
-    count as bfloat16."""
+    checkpoints run in bfloat16 on CPUs that have it. GGUF files count as
+    bfloat16 (the dtype their quantized weights are multiplied in)."""
     if dtype != "auto":
         if dtype == "float16" and device.device == "cpu":
             raise ValueError("--dtype float16 is not supported on the CPU; use bfloat16 or float32")

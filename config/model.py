@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fleet.config.device import cpu_computes_bfloat16, cpu_has_avx512
+from fleet.config.device import cpu_computes_bfloat16, cpu_flags, cpu_has_avx512
 from fleet.config.fields import RESOLVED, HumanInt
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -64,6 +64,16 @@ class ModelConfig:
     @property
     def is_gguf(self) -> bool:
         return self.model_path.endswith(".gguf")
+
+    def keeps_gguf_blocks(self, device: str) -> bool:
+        """Whether a GGUF file's Q4_0/Q4_1/Q8_0 weights stay in their blocks
+        (kernels/quantized.py): for a bfloat16 model on a CPU with
+        AVX512-BF16, where the kernel multiplies the blocks' integers as they
+        are, faster than the dequantized weights for steps of few rows and as
+        fast for many. Elsewhere (float32 models, other CPUs, CUDA) the
+        weights are dequantized at load: the kernel's portable path is a
+        correct but slow reference there."""
+        return self.is_gguf and device == "cpu" and self.dtype == "bfloat16" and "avx512_bf16" in cpu_flags()
 
     def keeps_bfloat16_decode_weights(self, device: str) -> bool:
         """Whether the model also keeps its linear weights in bfloat16, packed

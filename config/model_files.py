@@ -115,5 +115,5 @@ def _read_gguf_metadata(path: str) -> dict[str, Any]:
         "bos_token_id": value("tokenizer.ggml.bos_token_id"),
         "eos_token_id": value("tokenizer.ggml.eos_token_id"),
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "torch_dtype": "bfloat16",  # quantised weights are dequantised into this
+        "torch_dtype": "bfloat16",  # what quantized weights are multiplied in
     }

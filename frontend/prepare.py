@@ -12,12 +12,11 @@ logger = logging.getLogger("fleet.prepare")
 
 
 def prepare(config: FleetConfig) -> int:
-    """Derive the model's tokenizer and weights (GGUF files: converted once and
-    kept) and build the CPU kernels; the config was derived in resolving it."""
+    """Derive the model's tokenizer (GGUF files: converted once and kept) and
+    build the CPU kernels; the config was derived in resolving it. Weights
+    need nothing: a GGUF file's are read as they are (kernels/quantized.py)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _timed("tokenizer", lambda: _tokenizer(config))
-    if config.model.is_gguf and config.load.load_format == "gguf":
-        _timed("dequantised weights", lambda: _gguf_weights(config))
     if config.device.device == "cpu":
         _timed("CPU kernels", _cpu_kernels)
     return 0
@@ -33,13 +32,6 @@ def _tokenizer(config: FleetConfig) -> None:
     from fleet.frontend.tokenizer import load_tokenizer
 
     load_tokenizer(config.model)
-
-
-def _gguf_weights(config: FleetConfig) -> None:
-    from fleet.workers.loader import dequantized_gguf
-    from fleet.workers.model_runner import TORCH_DTYPES
-
-    dequantized_gguf(config.model.model_path, TORCH_DTYPES[config.model.dtype])
 
 
 def _cpu_kernels() -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from fleet.kernels.cpu_extension import cpu_kernels
+from fleet.kernels.quantized import quantized_linear
 
 PANEL = 32
 """Output features per panel of a packed weight (csrc/linear_bf16_weight_cpu.cpp)."""
@@ -42,8 +43,11 @@ PREFILL_ROWS_HINT = 256
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            decode_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] -> [..., out]: the bfloat16 copy for a few rows, else
-    oneDNN's linear for a prepacked weight, else F.linear."""
+    """x [..., in] -> [..., out]: GGUF blocks through their dequantizing
+    kernel, the bfloat16 copy for a few rows, else oneDNN's linear for a
+    prepacked weight, else F.linear."""
+    if weight.dtype == torch.uint8:
+        return quantized_linear(x, weight, bias)
     if decode_weight is not None and x.dim() == 2 and x.shape[0] <= DECODE_ROWS:
         ops = cpu_kernels()
         if ops is not None:
@@ -88,7 +92,8 @@ def prepack_prefill_weights(model: torch.nn.Module) -> int:
     prepacked = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "decode_weight") and weight is not None and uses[id(weight)] == 1:
+        if (hasattr(module, "decode_weight") and weight is not None and weight.is_floating_point()
+                and uses[id(weight)] == 1):
             module.weight = torch.nn.Parameter(
                 torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREFILL_ROWS_HINT), requires_grad=False
             )

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleet.kernels.linear import linear
+from fleet.kernels.quantized import copy_weight, quantized_embedding
 from fleet.parallel.comm import get_tp_group
 
 WeightLoader = Callable[..., None]
@@ -32,7 +33,8 @@ def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: Any = None
     _copy_into(param.data, loaded[:], "weight")
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+def _copy_into(dst: torch.Tensor, src: Any, what: str) -> None:
+    src = copy_weight(dst, src)
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{what}: checkpoint shard has shape {tuple(src.shape)}, the layer expects {tuple(dst.shape)}")
     dst.copy_(src)
@@ -59,6 +61,8 @@ class ColumnParallelLinear(nn.Module):
 
     decode_weight: torch.Tensor | None = None
     """An exact bfloat16 copy of `weight` for steps of few rows (kernels/linear.py), or None."""
+    keeps_gguf_blocks = True
+    """`weight` may be a GGUF file's blocks (kernels/quantized.py): `linear` multiplies them."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -172,6 +176,8 @@ class RowParallelLinear(nn.Module):
 
     decode_weight: torch.Tensor | None = None
     """An exact bfloat16 copy of `weight` for steps of few rows (kernels/linear.py), or None."""
+    keeps_gguf_blocks = True
+    """`weight` may be a GGUF file's blocks (kernels/quantized.py): `linear` multiplies them."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -200,11 +206,15 @@ class VocabParallelEmbedding(nn.Module):
     padding); a token's vector comes from its owner, the others add zeros.
     """
 
+    keeps_gguf_blocks = True
+    """`weight` may be a GGUF file's blocks (kernels/quantized.py), dequantized per looked-up row."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.tp = get_tp_group()
         self.num_embeddings = num_embeddings
+        self.dtype = dtype or torch.get_default_dtype()
         self.rows_per_rank = -(-num_embeddings // self.tp.size)
         self.vocab_start = self.tp.rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
@@ -218,11 +228,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # [T]
         local_ids = (input_ids - self.vocab_start) * owned
-        embeddings = F.embedding(local_ids, self.weight).masked_fill(~owned[:, None], 0)  # [T, dim]
+        embeddings = self._rows(local_ids).masked_fill(~owned[:, None], 0)  # [T, dim]
         return self.tp.all_reduce(embeddings)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.uint8:
+            return quantized_embedding(ids, self.weight, self.dtype)
+        return F.embedding(ids, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -12,12 +12,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
 from fleet.kernels.linear import keep_bfloat16_decode_weights, prepack_prefill_weights
+from fleet.kernels.quantized import GGUFWeight, keep_quantized, pack_kept_weights
 from fleet.workers.models.registry import get_model_class
 
 # llama.cpp tensor names -> HF names (per layer: blk.N.<part> -> model.layers.N.<module>)
@@ -49,12 +51,16 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, dtype: torch.
         _init_dummy_weights(model)
     else:
         path = model_config.model_path or model_config.model
-        weights = iterate_weights(path, load_config.load_format, dtype)
+        weights = iterate_weights(path, load_config.load_format)
+        if model_config.keeps_gguf_blocks(torch.device(device).type):
+            weights = list(weights)  # views of the file: cheap to hold
+            keep_quantized(model, weights)
         if show_progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             weights = tqdm(weights, desc="loading weights", unit=" tensors", leave=False)
         model.load_weights(weights)
+        pack_kept_weights(model)
     device_type = torch.device(device).type
     if model_config.keeps_bfloat16_decode_weights(device_type):
         keep_bfloat16_decode_weights(model)
@@ -73,19 +79,14 @@ def _init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.data.normal_(0.0, 0.02, generator=generator)
 
 
-def iterate_weights(model_path: str, load_format: str = "auto",
-                    dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, Any]]:
-    """(HF name, weight) pairs of a checkpoint.
-
-    safetensors: weights are `safe_open(...).get_slice(name)` objects, read
-    lazily by the layers' loaders. GGUF: the same, from the file's weights
-    dequantised into `dtype` once and kept in fleet's cache (see
-    `dequantized_gguf`).
-    """
+def iterate_weights(model_path: str, load_format: str = "auto") -> Iterator[tuple[str, Any]]:
+    """(HF name, weight) pairs of a checkpoint, read lazily by the layers'
+    loaders: safetensors `get_slice` objects, or a GGUF file's tensors
+    (`GGUFWeight`s for quantized ones, see kernels/quantized.py)."""
     if load_format == "auto":
         load_format = "gguf" if model_path.endswith(".gguf") else "safetensors"
     if load_format == "gguf":
-        return _safetensors_file_weights(dequantized_gguf(model_path, dtype))
+        return gguf_weights(model_path)
     if load_format == "safetensors":
         return _safetensors_weights(model_path)
     raise ValueError(f"--load-format {load_format!r} has no weights to read (expected auto, safetensors or gguf)")
@@ -118,21 +119,6 @@ def _safetensors_file_weights(file: str) -> Iterator[tuple[str, Any]]:
             yield name, checkpoint.get_slice(name)
 
 
-def dequantized_gguf(path: str, dtype: torch.dtype) -> str:
-    """A safetensors file of the GGUF file's weights, dequantised into `dtype`
-    under HF names, made on first use and kept in fleet's cache (keyed by the
-    file's path, size and mtime). Parsing a GGUF file and dequantising it takes
-    seconds (the default model: about 6 s); reading the kept file is a mmap."""
-    from safetensors.torch import save
-
-    from fleet.config.derived_cache import derived_path, write_atomically
-
-    cached = derived_path(path, f"gguf-weights-{str(dtype).removeprefix('torch.')}") + ".safetensors"
-    if not os.path.isfile(cached):  # workers of one launch may derive it at once: last rename wins
-        write_atomically(cached, save({name: weight.to(dtype).contiguous() for name, weight in _gguf_weights(path)}))
-    return cached
-
-
 def gguf_to_hf_name(gguf_name: str) -> str | None:
     """HF name of a llama.cpp tensor name, or None when there is no mapping."""
     base, _, kind = gguf_name.rpartition(".")  # kind: weight or bias
@@ -144,11 +130,13 @@ def gguf_to_hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """A GGUF file's tensors under HF names: float ones as tensors, quantized
+    ones as their blocks (views of the file's mapping until a loader copies
+    them). Q/K rows of llama models are put back in HF's order."""
     import gguf  # deferred: only GGUF models need it
-    import numpy as np
 
-    reader = gguf.GGUFReader(path)
+    reader = gguf.GGUFReader(path, "c")  # copy-on-write mapping: writable arrays, nothing read ahead
     arch = reader.fields["general.architecture"].contents()
     num_heads = reader.fields[f"{arch}.attention.head_count"].contents()
     kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
@@ -159,15 +147,32 @@ def _gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             if tensor.name.rpartition(".")[0] in GGUF_IGNORED:
                 continue
             raise ValueError(f"GGUF tensor {tensor.name!r} of {path} has no HF counterpart")
-        # dequantize gives torch's (out, in) order: GGUF lists dims the other way round.
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weight = torch.from_numpy(array if array.flags.writeable else np.array(array))
+        weight = _gguf_tensor(tensor)
         if arch == "llama":  # llama.cpp's converter permutes Q/K rows of llama models only
             if ".self_attn.q_proj." in hf_name:
-                weight = unpermute_qk_rows(weight, num_heads)
+                weight = _unpermuted(weight, num_heads)
             elif ".self_attn.k_proj." in hf_name:
-                weight = unpermute_qk_rows(weight, num_kv_heads)
+                weight = _unpermuted(weight, num_kv_heads)
         yield hf_name, weight
+
+
+def _gguf_tensor(tensor: Any) -> torch.Tensor | GGUFWeight:
+    """One tensor of a GGUFReader: a float tensor, or the blocks of a quantized one."""
+    import gguf
+
+    data = torch.from_numpy(tensor.data)
+    if tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                              gguf.GGMLQuantizationType.BF16):
+        return data
+    # GGUF lists dims the other way round: torch's (out, in) is the reversed shape.
+    rows, columns = int(np.prod(tensor.shape[1:])), int(tensor.shape[0])
+    return GGUFWeight(int(tensor.tensor_type), data.view(rows, -1), (rows, columns))
+
+
+def _unpermuted(weight: torch.Tensor | GGUFWeight, num_heads: int) -> torch.Tensor | GGUFWeight:
+    if isinstance(weight, GGUFWeight):  # a row permutation moves whole rows of blocks
+        return GGUFWeight(weight.gguf_type, unpermute_qk_rows(weight.data, num_heads), weight.shape)
+    return unpermute_qk_rows(weight, num_heads)
 
 
 def unpermute_qk_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ is profiled on the device by each worker. This module imports no torch.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import psutil
@@ -240,7 +241,14 @@ def worker_weight_bytes(config: FleetConfig) -> int:
         layer = (attention + 3 * shape.hidden * shape.intermediate) / tp
     vocab_tables = 1 if hf.get("tie_word_embeddings") else 2
     embedding = vocab_tables * shape.vocab * shape.hidden / tp / min(pp, vocab_tables)
-    weights = (layer * _layers_per_stage(config) + embedding) * DTYPE_BYTES[config.model.dtype]
+    count = layer * _layers_per_stage(config) + embedding
+    if config.model.keeps_gguf_blocks(config.device.device):
+        # Kept in the file's blocks (kernels/quantized.py): the file's bytes per
+        # weight, no bfloat16 copy. (A type the kernel cannot multiply is
+        # dequantized at load, which this undercounts.)
+        whole = tp * (layer * shape.layers) + vocab_tables * shape.vocab * shape.hidden
+        return int(count * os.path.getsize(config.model.model_path) / whole)
+    weights = count * DTYPE_BYTES[config.model.dtype]
     if config.model.keeps_bfloat16_decode_weights(config.device.device):
         # The bfloat16 copy for decode steps (kernels/linear.py): at most half
         # again a float32 model, as much again a bfloat16 one.

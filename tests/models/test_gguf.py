@@ -65,14 +65,10 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
     assert torch.equal(unpermute_qk_rows(permuted, num_heads), weight)
 
 
-def test_fleet_prepare_keeps_the_dequantised_weights_and_tokenizer(gguf_path: str, tmp_path) -> None:
-    """`fleet prepare` (what `make install` runs) leaves in fleet's cache exactly
-    the weights a direct dequantisation gives, and the converted tokenizer,
-    so that the first launch reads them instead of parsing the GGUF file."""
-    from safetensors import safe_open
-
-    from fleet.workers.loader import _gguf_weights
-
+def test_fleet_prepare_keeps_the_tokenizer(gguf_path: str, tmp_path) -> None:
+    """`fleet prepare` (what `make install` runs) leaves the converted
+    tokenizer in fleet's cache, so that the first launch reads it instead of
+    converting the GGUF vocabulary; the weights need nothing."""
     cache = tmp_path / "fleet-cache"
     done = subprocess.run(
         [sys.executable, "-P", "-m", "fleet.frontend.cli", "prepare", "--dtype", "float32", "--device", "cpu"],
@@ -80,10 +76,70 @@ def test_fleet_prepare_keeps_the_dequantised_weights_and_tokenizer(gguf_path: st
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert list((cache / "gguf-tokenizer").glob("*/tokenizer_config.json"))
-    (kept,) = (cache / "gguf-weights-float32").glob("*.safetensors")
-    with safe_open(kept, framework="pt") as weights:
-        names = set(weights.keys())  # noqa: SIM118 (safe_open is not a dict)
-        for name, expected in _gguf_weights(gguf_path):
-            assert torch.equal(weights.get_tensor(name), expected), name
-            names.remove(name)
-    assert not names
+    assert not list(cache.glob("gguf-weights*"))
+
+
+@torch.inference_mode()
+def test_weights_stay_in_their_blocks_as_near_as_the_dequantized_model(gguf_path: str) -> None:
+    """A bfloat16 model on a CPU with AVX512-BF16 keeps its Q4_1 layers and
+    its Q8_0 embedding / LM head in the file's blocks: it holds about the
+    file's bytes. Its sums round differently from the dequantized model's
+    (the kernel skips rounding each weight to bfloat16), so the stated
+    tolerance is relative, for a prefill and for decode steps: the kept
+    model is no further from the float32 one than the dequantized bfloat16
+    model is (mean absolute logit error within 1.25 times its), and picks
+    the float32 model's greedy token as often, within 3 %."""
+    hf_config = hf_config_from_gguf(gguf_path)
+    if not ModelConfig(model=gguf_path, model_path=gguf_path, hf_config=hf_config,
+                       dtype="bfloat16").keeps_gguf_blocks("cpu"):
+        pytest.skip("GGUF blocks stay quantized only on a CPU with AVX512-BF16")
+    reference = _prefill_and_decode(_model(gguf_path, torch.float32, False), torch.float32)
+    kept = _model(gguf_path, torch.bfloat16, True)
+    assert sum(p.dtype == torch.uint8 for p in kept.parameters()) == 4 * kept.spec.num_layers + 1
+    assert sum(p.nbytes for p in kept.parameters()) < 1.05 * os.path.getsize(gguf_path)
+    assert all(getattr(m, "decode_weight", None) is None for m in kept.modules())
+    kept16 = _prefill_and_decode(kept, torch.bfloat16).float()
+    dequantized16 = _prefill_and_decode(_model(gguf_path, torch.bfloat16, False), torch.bfloat16).float()
+    kept_error, dequantized_error = (kept16 - reference).abs().mean(), (dequantized16 - reference).abs().mean()
+    assert kept_error <= 1.25 * dequantized_error, (kept_error, dequantized_error)
+    best = reference.argmax(dim=1)
+    kept_agree = (kept16.argmax(dim=1) == best).float().mean()
+    dequantized_agree = (dequantized16.argmax(dim=1) == best).float().mean()
+    assert kept_agree >= dequantized_agree - 0.03, (kept_agree, dequantized_agree)
+
+
+def _model(gguf_path: str, dtype: torch.dtype, keep_blocks: bool):
+    """The default model as fleet loads it (blocks kept), or with every weight
+    dequantized (what fleet loaded before, bfloat16 decode copies included)."""
+    from fleet.kernels.linear import keep_bfloat16_decode_weights
+    from fleet.kernels.quantized import GGUFWeight
+    from fleet.workers.loader import gguf_weights
+    from fleet.workers.models.registry import get_model_class
+
+    hf_config = hf_config_from_gguf(gguf_path)
+    model_config = ModelConfig(model=gguf_path, model_path=gguf_path, architecture=hf_config["architectures"][0],
+                               hf_config=hf_config, dtype=str(dtype).removeprefix("torch."))
+    if keep_blocks:
+        return load_model(model_config, LoadConfig(load_format="gguf"), dtype, torch.device("cpu"))
+    model = get_model_class(hf_config["architectures"][0])(hf_config, dtype, "cpu")
+    model.load_weights((name, w.dequantize(torch.float32) if isinstance(w, GGUFWeight) else w)
+                       for name, w in gguf_weights(gguf_path))
+    if model_config.keeps_bfloat16_decode_weights("cpu"):
+        keep_bfloat16_decode_weights(model)
+    return model.eval()
+
+
+def _prefill_and_decode(model, dtype: torch.dtype) -> torch.Tensor:
+    """Logits of a 68-token prefill (a step of many rows) and of 3 decode steps of 1 row."""
+    block_size, prompt = 16, PROMPT * 4
+    kv_caches = [torch.zeros(2, 8, block_size, model.num_kv_heads, model.head_dim, dtype=dtype)
+                 for _ in range(model.num_layers)]
+    tables = [[1, 2, 3, 4, 5]]
+    meta = AttentionMetadata.build([len(prompt)], [len(prompt)], tables, block_size)
+    logits = [model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), kv_caches, meta))]
+    for step in range(3):
+        position = len(prompt) + step
+        meta = AttentionMetadata.build([1], [position + 1], tables, block_size)
+        logits.append(model.compute_logits(model(torch.tensor([PROMPT[step]]), torch.tensor([position]), kv_caches,
+                                                 meta)))
+    return torch.cat(logits)

@@ -1,0 +1,528 @@
+// Linear layers whose weights stay in a GGUF file's quantized blocks
+// (kernels/quantized.py): y = x W^T (+ b) straight from the blocks, and
+// embedding rows looked up in them.
+//
+// In the file a weight is one row of blocks per output feature; each block of
+// 32 weights is, as ggml lays it out:
+//   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles;  w = (q - 8) * d
+//   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes;     w = q * d + m
+//   Q8_0 (34 bytes): fp16 d, 32 int8;              w = q * d
+// (byte j of the nibbles holds weight j in its low nibble, j + 16 in its high).
+//
+// `gguf_pack` rearranges those bytes once, at load, into panels of PANEL = 32
+// output features, the layout the multiply reads in order (the same bytes per
+// weight as the file: d and m of the panel's 32 features, then their values):
+//   packed[panel][block] = d[32] fp16, (Q4_1) m[32] fp16, values
+// with the values of k-pair kp (k = 2 kp, 2 kp + 1 of the block) for feature
+// j = 16 h + i in lane 2 i + (k & 1) of vector h: for the 4-bit types one
+// 32-byte line per kp, vector 0 in the low nibbles and vector 1 in the high;
+// for Q8_0 two 32-byte lines per kp. Features past N are zero.
+//
+// The multiply never dequantizes on a CPU with AVX512-BF16 (a bfloat16
+// model): the integers of a block are exact in bfloat16, so per block and
+// row of x, VDPBF16PS sums v * x over the block's k-pairs into 32 feature
+// lanes, then
+//   y += d * sum(v x) + c * sum(x)
+// with v = 128 + q for the 4-bit types (the nibble ORed into the bits of
+// 128.0: no conversion), c = m - 128 d (Q4_1) or -136 d (Q4_0); v = q, c = 0
+// for Q8_0. Each line of values is unpacked once per block and used by every
+// row of x. The products are exact; the float32 sums differ from those of the
+// dequantized model in order, and in skipping the weights' rounding to
+// bfloat16 (tests/kernels/test_gguf_linear.py states the tolerance).
+// Elsewhere (a float32 model, a CPU without AVX512-BF16) each block is
+// dequantized into a float32 tile, rounded to the model's dtype as loading
+// dequantized weights did, and multiplied in float32: the dequantized model's
+// products, summed in another order.
+//
+// Registered in torch.ops.fleet_cpu.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#include "simd_convert.h"
+#define FLEET_GGUF_AVX512_BF16 1
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 32;  // weights per block, every type here
+constexpr int64_t PANEL = 32;  // output features per panel
+constexpr int64_t PAIRS = BLOCK / 2;
+
+enum QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's GGMLQuantizationType values
+
+void check_type(int64_t type) {
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0, "GGUF quantization type ", type,
+              " has no CPU kernel (Q4_0=2, Q4_1=3, Q8_0=8 do)");
+}
+
+// Bytes of one block in the file, and of one panel's block once packed.
+constexpr int64_t file_block_bytes(int64_t type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
+constexpr int64_t scale_bytes(int64_t type) { return type == Q4_1 ? 4 * PANEL : 2 * PANEL; }
+constexpr int64_t value_bytes(int64_t type) { return type == Q8_0 ? PANEL * BLOCK : PANEL * BLOCK / 2; }
+constexpr int64_t panel_block_bytes(int64_t type) { return scale_bytes(type) + value_bytes(type); }
+
+inline float half_bits_to_float(uint16_t bits) { return c10::detail::fp16_ieee_to_fp32_value(bits); }
+
+inline uint16_t half_at(const uint8_t* p, int64_t index) {
+  uint16_t bits;
+  std::memcpy(&bits, p + 2 * index, sizeof(bits));
+  return bits;
+}
+
+// The integer of weight k (0..31) of a file block, before offset and scale.
+template <int64_t TYPE>
+inline int file_value(const uint8_t* block, int64_t k) {
+  if constexpr (TYPE == Q8_0) return reinterpret_cast<const int8_t*>(block + 2)[k];
+  const uint8_t* q = block + (TYPE == Q4_1 ? 4 : 2);
+  return k < 16 ? q[k] & 0xF : q[k - 16] >> 4;
+}
+
+// Where weight (feature j, k) of a panel's block sits among its values, and
+// how to read it back (the inverse of gguf_pack).
+inline int64_t lane_of(int64_t j, int64_t k) { return 2 * (j % 16) + (k & 1); }
+
+template <int64_t TYPE>
+inline int packed_value(const uint8_t* values, int64_t j, int64_t k) {
+  const int64_t kp = k / 2, lane = lane_of(j, k);
+  if constexpr (TYPE == Q8_0) return reinterpret_cast<const int8_t*>(values)[kp * 64 + (j / 16) * 32 + lane];
+  const uint8_t byte = values[kp * 32 + lane];
+  return j < 16 ? byte & 0xF : byte >> 4;
+}
+
+// The float32 weight of integer q with the block's d and m.
+template <int64_t TYPE>
+inline float weight_of(int q, float d, float m) {
+  if constexpr (TYPE == Q4_1) return float(q) * d + m;  // d * q is exact: one rounding, as gguf-py's
+  if constexpr (TYPE == Q4_0) return float(q - 8) * d;
+  return float(q) * d;
+}
+
+template <typename F>
+void with_type(int64_t type, F&& f) {
+  check_type(type);
+  switch (type) {
+    case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); break;
+    case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); break;
+    default: f(std::integral_constant<int64_t, Q8_0>{}); break;
+  }
+}
+
+// ---- packing ------------------------------------------------------------------------
+
+template <int64_t TYPE>
+void pack_panels(const uint8_t* rows, int64_t N, int64_t K, uint8_t* packed) {
+  const int64_t blocks = K / BLOCK, row_bytes = blocks * file_block_bytes(TYPE);
+  const int64_t panels = (N + PANEL - 1) / PANEL;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* out = packed + (p * blocks + b) * panel_block_bytes(TYPE);
+        uint8_t* values = out + scale_bytes(TYPE);
+        for (int64_t j = 0; j < PANEL && p * PANEL + j < N; ++j) {
+          const uint8_t* block = rows + (p * PANEL + j) * row_bytes + b * file_block_bytes(TYPE);
+          std::memcpy(out + 2 * j, block, 2);                                    // d
+          if constexpr (TYPE == Q4_1) std::memcpy(out + 2 * PANEL + 2 * j, block + 2, 2);  // m
+          for (int64_t k = 0; k < BLOCK; ++k) {
+            const int q = file_value<TYPE>(block, k);
+            const int64_t kp = k / 2, lane = lane_of(j, k);
+            if constexpr (TYPE == Q8_0) {
+              values[kp * 64 + (j / 16) * 32 + lane] = uint8_t(int8_t(q));
+            } else {
+              values[kp * 32 + lane] |= uint8_t(j < 16 ? q : q << 4);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor gguf_pack(const at::Tensor& rows, int64_t type, int64_t in_features) {
+  check_type(type);
+  const int64_t K = in_features, N = rows.size(0);
+  TORCH_CHECK(rows.scalar_type() == at::kByte && rows.dim() == 2 && rows.is_contiguous(),
+              "rows: contiguous [N, row bytes] uint8, a GGUF tensor's blocks");
+  TORCH_CHECK(K % BLOCK == 0 && rows.size(1) == K / BLOCK * file_block_bytes(type), "rows of ", rows.size(1),
+              " bytes do not hold ", K, " weights of GGUF type ", type);
+  at::Tensor packed = at::zeros({(N + PANEL - 1) / PANEL, K / BLOCK, panel_block_bytes(type)}, rows.options());
+  with_type(type, [&](auto kind) {
+    pack_panels<decltype(kind)::value>(rows.data_ptr<uint8_t>(), N, K, packed.data_ptr<uint8_t>());
+  });
+  return packed;
+}
+
+void check_packed(const at::Tensor& packed, int64_t type, int64_t K, int64_t N) {
+  check_type(type);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(1) * BLOCK == K && packed.size(2) == panel_block_bytes(type),
+              "packed: contiguous [panels, ", K / BLOCK, ", ", panel_block_bytes(type), "] uint8 of GGUF type ", type,
+              " (gguf_pack's layout) for ", K, " input features");
+  TORCH_CHECK(N > (packed.size(0) - 1) * PANEL && N <= packed.size(0) * PANEL, N, " output features do not fill ",
+              packed.size(0), " panels of ", PANEL);
+}
+
+// ---- dequantized tiles (float32 models, CPUs without AVX512-BF16) -------------------
+
+// tile[k][j] = weight (feature j, k) of a panel's block, rounded to Model.
+template <int64_t TYPE, typename Model>
+void dequantize_tile(const uint8_t* panel_block, float (&tile)[BLOCK][PANEL]) {
+  const uint8_t* values = panel_block + scale_bytes(TYPE);
+  for (int64_t j = 0; j < PANEL; ++j) {
+    const float d = half_bits_to_float(half_at(panel_block, j));
+    const float m = TYPE == Q4_1 ? half_bits_to_float(half_at(panel_block, PANEL + j)) : 0.f;
+    for (int64_t k = 0; k < BLOCK; ++k)
+      tile[k][j] = float(Model(weight_of<TYPE>(packed_value<TYPE>(values, j, k), d, m)));
+  }
+}
+
+template <int64_t TYPE, typename Model, typename Out>
+void tiled_rows(const float* x, const uint8_t* packed, int64_t M, int64_t K, int64_t N, const Out* bias, Out* y) {
+  const int64_t blocks = K / BLOCK, panels = (N + PANEL - 1) / PANEL;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * PANEL);
+    float tile[BLOCK][PANEL];
+    for (int64_t p = begin; p < end; ++p) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < blocks; ++b) {
+        dequantize_tile<TYPE, Model>(packed + (p * blocks + b) * panel_block_bytes(TYPE), tile);
+        for (int64_t m = 0; m < M; ++m) {
+          float* row_acc = acc.data() + m * PANEL;
+          const float* xb = x + m * K + b * BLOCK;
+          for (int64_t k = 0; k < BLOCK; ++k)
+            for (int64_t j = 0; j < PANEL; ++j) row_acc[j] += tile[k][j] * xb[k];
+        }
+      }
+      const int64_t valid = std::min(PANEL, N - p * PANEL);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < valid; ++j)
+          y[m * N + p * PANEL + j] = Out(acc[m * PANEL + j] + (bias ? float(bias[p * PANEL + j]) : 0.f));
+    }
+  });
+}
+
+// ---- straight from the blocks (bfloat16 models on AVX512-BF16) ----------------------
+
+#if FLEET_GGUF_AVX512_BF16
+constexpr int TILE_ROWS = 8;  // rows of x per pass: 16 accumulators
+// Steps of up to this many rows take the integers straight from the blocks;
+// larger ones dequantize a panel at a time into bfloat16 first (the
+// unpacking and the per-block scaling cost more than the dequantizing
+// there). Measured with `python -P scripts/bench_gguf_linear.py` on a 2-core
+// AVX512-BF16 EPYC, SmolLM2's shapes.
+constexpr int64_t INTEGER_ROWS = 32;
+
+// The two value vectors (features 0-15, 16-31) of k-pair kp.
+template <int64_t TYPE>
+inline void unpack_pair(const uint8_t* values, int64_t kp, __m512bh& low, __m512bh& high) {
+  if constexpr (TYPE == Q8_0) {
+    const uint8_t* line = values + kp * 64;
+    for (int h = 0; h < 2; ++h) {
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(line + 32 * h))));
+      const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(line + 32 * h + 16))));
+      (h == 0 ? low : high) = _mm512_cvtne2ps_pbh(b, a);  // exact: |q| <= 128
+    }
+  } else {
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(values + kp * 32)));
+    const __m512i bias = _mm512_set1_epi16(0x4300);  // the bits of 128.0: OR a nibble in, get 128 + q
+    low = (__m512bh)_mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi16(0xF)), bias);
+    high = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
+  }
+}
+
+// Each row's sum over the block of v * x, into 32 feature lanes (two
+// vectors). Rows of x are bfloat16 with stride K, starting at the block.
+template <int64_t TYPE, int MR>
+inline void block_dots(const uint8_t* values, const at::BFloat16* x, int64_t K, __m512 (&dots)[MR][2]) {
+  for (int m = 0; m < MR; ++m) dots[m][0] = dots[m][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < PAIRS; ++kp) {
+    __m512bh low, high;
+    unpack_pair<TYPE>(values, kp, low, high);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * kp, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      dots[m][0] = _mm512_dpbf16_ps(dots[m][0], low, xv);
+      dots[m][1] = _mm512_dpbf16_ps(dots[m][1], high, xv);
+    }
+  }
+}
+
+// acc[m] (32 floats per row) += d * dots + c * (row's block sum), for MR rows.
+template <int64_t TYPE, int MR>
+void tile_rows(const uint8_t* panel_block, const at::BFloat16* x, const float* sums, int64_t K, int64_t blocks,
+               float* acc) {
+  __m512 dots[MR][2];
+  block_dots<TYPE, MR>(panel_block + scale_bytes(TYPE), x, K, dots);
+  for (int h = 0; h < 2; ++h) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(panel_block + 32 * h)));
+    __m512 c = _mm512_setzero_ps();
+    if constexpr (TYPE == Q4_1) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(panel_block + 2 * PANEL + 32 * h)));
+      c = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, m);
+    } else if constexpr (TYPE == Q4_0) {
+      c = _mm512_mul_ps(_mm512_set1_ps(-136.f), d);
+    }
+    for (int m = 0; m < MR; ++m) {
+      float* lanes = acc + m * PANEL + 16 * h;
+      __m512 sum = _mm512_fmadd_ps(dots[m][h], d, _mm512_loadu_ps(lanes));
+      if constexpr (TYPE != Q8_0) sum = _mm512_fmadd_ps(c, _mm512_set1_ps(sums[m * blocks]), sum);
+      _mm512_storeu_ps(lanes, sum);
+    }
+  }
+}
+
+template <int64_t TYPE>
+using TileRows = void (*)(const uint8_t*, const at::BFloat16*, const float*, int64_t, int64_t, float*);
+template <int64_t TYPE>
+constexpr TileRows<TYPE> TILE_ROWS_FOR[TILE_ROWS + 1] = {
+    nullptr, tile_rows<TYPE, 1>, tile_rows<TYPE, 2>, tile_rows<TYPE, 3>, tile_rows<TYPE, 4>,
+    tile_rows<TYPE, 5>, tile_rows<TYPE, 6>, tile_rows<TYPE, 7>, tile_rows<TYPE, 8>};
+
+// y [M, N] = x W^T + bias straight from the blocks: each task takes panels,
+// and each block of a panel serves every row of x while it is in L1.
+template <int64_t TYPE>
+void integer_rows_bf16(const at::BFloat16* x, const uint8_t* packed, int64_t M, int64_t K, int64_t N,
+                       const at::BFloat16* bias, at::BFloat16* y) {
+  const int64_t blocks = K / BLOCK, panels = (N + PANEL - 1) / PANEL;
+  std::vector<float> sums(TYPE == Q8_0 ? 0 : M * blocks);  // sums[m * blocks + b]: x[m]'s sum over block b
+  if (TYPE != Q8_0)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const at::BFloat16* xb = x + m * K + b * BLOCK;
+        sums[m * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(load16(xb, 0xFFFF), load16(xb + 16, 0xFFFF)));
+      }
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * PANEL);
+    for (int64_t p = begin; p < end; ++p) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* panel_block = packed + (p * blocks + b) * panel_block_bytes(TYPE);
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+          const int64_t rows = std::min<int64_t>(TILE_ROWS, M - m0);
+          TILE_ROWS_FOR<TYPE>[rows](panel_block, x + m0 * K + b * BLOCK, sums.data() + m0 * blocks + b, K, blocks,
+                                    acc.data() + m0 * PANEL);
+        }
+      }
+      const int64_t n0 = p * PANEL, valid = std::min(PANEL, N - n0);
+      const __mmask16 mask0 = tail_mask(valid), mask1 = tail_mask(valid - 16);
+      const __m512 b0 = bias ? load16(bias + n0, mask0) : _mm512_setzero_ps();
+      const __m512 b1 = bias ? load16(bias + n0 + 16, mask1) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < M; ++m) {
+        store16(y + m * N + n0, _mm512_add_ps(_mm512_loadu_ps(acc.data() + m * PANEL), b0), mask0);
+        store16(y + m * N + n0 + 16, _mm512_add_ps(_mm512_loadu_ps(acc.data() + m * PANEL + 16), b1), mask1);
+      }
+    }
+  });
+}
+
+// A whole panel dequantized into bfloat16 value vectors, lines[2 * kp + h]
+// for the panel's k-pairs kp = 0 .. K / 2: the weights rounded as loading
+// dequantized weights rounds them.
+template <int64_t TYPE>
+void dequantize_panel(const uint8_t* panel, int64_t blocks, __m512i* lines) {
+  alignas(64) int32_t low_index[16], high_index[16];  // lane 2i + e holds feature i (of the vector's 16)
+  for (int i = 0; i < 16; ++i) {
+    low_index[i] = i / 2;
+    high_index[i] = 8 + i / 2;
+  }
+  const __m512i to_low = _mm512_load_si512(low_index), to_high = _mm512_load_si512(high_index);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* panel_block = panel + b * panel_block_bytes(TYPE);
+    const uint8_t* values = panel_block + scale_bytes(TYPE);
+    __m512 d[2][2], m[2][2];  // [h][lanes 0-15 | 16-31]
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(panel_block + 32 * h)));
+      __m512 offset = _mm512_setzero_ps();
+      if constexpr (TYPE == Q4_1) {
+        offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(panel_block + 2 * PANEL + 32 * h)));
+      } else if constexpr (TYPE == Q4_0) {
+        offset = _mm512_mul_ps(_mm512_set1_ps(-8.f), scale);  // (q - 8) d = q d - 8 d, both exact
+      }
+      d[h][0] = _mm512_permutexvar_ps(to_low, scale);
+      d[h][1] = _mm512_permutexvar_ps(to_high, scale);
+      m[h][0] = _mm512_permutexvar_ps(to_low, offset);
+      m[h][1] = _mm512_permutexvar_ps(to_high, offset);
+    }
+    for (int64_t kp = 0; kp < PAIRS; ++kp) {
+      __m512i ints[2];
+      if constexpr (TYPE == Q8_0) {
+        ints[0] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(values + kp * 64)));
+        ints[1] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(values + kp * 64 + 32)));
+      } else {
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(values + kp * 32)));
+        ints[0] = _mm512_and_si512(bytes, _mm512_set1_epi16(0xF));
+        ints[1] = _mm512_srli_epi16(bytes, 4);
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(ints[h])));
+        const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(ints[h], 1)));
+        // q d is exact, so the FMA rounds once, as gguf-py's q * d + m does.
+        lines[(b * PAIRS + kp) * 2 + h] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(high, d[h][1], m[h][1]),
+                                                                       _mm512_fmadd_ps(low, d[h][0], m[h][0]));
+      }
+    }
+  }
+}
+
+// out[m][j] for MR rows of x and one dequantized panel; `valid` features
+// are stored, plus bias.
+template <int MR>
+void panel_rows(const __m512i* lines, const at::BFloat16* x, int64_t K, const at::BFloat16* bias, at::BFloat16* y,
+                int64_t ldy, int64_t valid) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    const __m512bh low = (__m512bh)lines[2 * kp], high = (__m512bh)lines[2 * kp + 1];
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * kp, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], low, xv);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], high, xv);
+    }
+  }
+  const __mmask16 mask0 = tail_mask(valid), mask1 = tail_mask(valid - 16);
+  const __m512 b0 = bias ? load16(bias, mask0) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? load16(bias + 16, mask1) : _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m) {
+    store16(y + m * ldy, _mm512_add_ps(acc[m][0], b0), mask0);
+    store16(y + m * ldy + 16, _mm512_add_ps(acc[m][1], b1), mask1);
+  }
+}
+
+using PanelRows = void (*)(const __m512i*, const at::BFloat16*, int64_t, const at::BFloat16*, at::BFloat16*, int64_t,
+                           int64_t);
+constexpr PanelRows PANEL_ROWS[TILE_ROWS + 1] = {nullptr,       panel_rows<1>, panel_rows<2>, panel_rows<3>,
+                                                 panel_rows<4>, panel_rows<5>, panel_rows<6>, panel_rows<7>,
+                                                 panel_rows<8>};
+
+// y [M, N] = x W^T + bias for more rows: a panel at a time, dequantized once.
+template <int64_t TYPE>
+void dequantized_rows_bf16(const at::BFloat16* x, const uint8_t* packed, int64_t M, int64_t K, int64_t N,
+                           const at::BFloat16* bias, at::BFloat16* y) {
+  const int64_t blocks = K / BLOCK, panels = (N + PANEL - 1) / PANEL;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> lines(K);  // K / 2 pairs, two vectors each: K * 64 bytes
+    for (int64_t p = begin; p < end; ++p) {
+      dequantize_panel<TYPE>(packed + p * blocks * panel_block_bytes(TYPE), blocks, lines.data());
+      const int64_t n0 = p * PANEL, valid = std::min(PANEL, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+        const int64_t rows = std::min<int64_t>(TILE_ROWS, M - m0);
+        PANEL_ROWS[rows](lines.data(), x + m0 * K, K, bias ? bias + n0 : nullptr, y + m0 * N + n0, N, valid);
+      }
+    }
+  });
+}
+
+#endif
+
+template <int64_t TYPE, typename Scalar>
+at::Tensor multiply(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const Scalar* b = bias.has_value() && bias->defined() ? bias->data_ptr<Scalar>() : nullptr;
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+#if FLEET_GGUF_AVX512_BF16
+  if constexpr (std::is_same_v<Scalar, at::BFloat16>) {
+    if (M <= INTEGER_ROWS) {
+      integer_rows_bf16<TYPE>(x.data_ptr<Scalar>(), w, M, K, N, b, y.data_ptr<Scalar>());
+    } else {
+      dequantized_rows_bf16<TYPE>(x.data_ptr<Scalar>(), w, M, K, N, b, y.data_ptr<Scalar>());
+    }
+    return y;
+  }
+#endif
+  const at::Tensor x_float = x.to(at::kFloat).contiguous();
+  tiled_rows<TYPE, Scalar>(x_float.data_ptr<float>(), w, M, K, N, b, y.data_ptr<Scalar>());
+  return y;
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& packed, int64_t type, int64_t out_features,
+                       const std::optional<at::Tensor>& bias) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "x: contiguous [M, K] float32, bfloat16 or float16");
+  check_packed(packed, type, x.size(1), out_features);
+  TORCH_CHECK(!(bias.has_value() && bias->defined()) ||
+                  (bias->scalar_type() == dtype && bias->numel() == out_features && bias->is_contiguous()),
+              "bias: contiguous [N] in x's dtype");
+  at::Tensor y;
+  with_type(type, [&](auto kind) {
+    constexpr int64_t TYPE = decltype(kind)::value;
+    switch (dtype) {
+      case at::kFloat: y = multiply<TYPE, float>(x, packed, out_features, bias); break;
+      case at::kBFloat16: y = multiply<TYPE, at::BFloat16>(x, packed, out_features, bias); break;
+      default: y = multiply<TYPE, at::Half>(x, packed, out_features, bias); break;
+    }
+  });
+  return y;
+}
+
+// ---- rows of a packed table (embeddings) ----------------------------------------------
+
+template <int64_t TYPE, typename Out>
+void gather_rows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, Out* out) {
+  const int64_t blocks = K / BLOCK;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p = ids[t] / PANEL, j = ids[t] % PANEL;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* panel_block = packed + (p * blocks + b) * panel_block_bytes(TYPE);
+        const float d = half_bits_to_float(half_at(panel_block, j));
+        const float m = TYPE == Q4_1 ? half_bits_to_float(half_at(panel_block, PANEL + j)) : 0.f;
+        for (int64_t k = 0; k < BLOCK; ++k)
+          out[t * K + b * BLOCK + k] = Out(weight_of<TYPE>(packed_value<TYPE>(panel_block + scale_bytes(TYPE), j, k), d, m));
+      }
+    }
+  });
+}
+
+at::Tensor gguf_rows(const at::Tensor& packed, int64_t type, int64_t in_features, const at::Tensor& ids,
+                     at::ScalarType dtype) {
+  const int64_t K = in_features;
+  check_packed(packed, type, K, packed.size(0) * PANEL);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: contiguous int64 [T]");
+  const int64_t T = ids.size(0), rows = packed.size(0) * PANEL;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < rows, "row ", id[t], " outside the table of ", rows);
+  at::Tensor out = at::empty({T, K}, packed.options().dtype(dtype));
+  with_type(type, [&](auto kind) {
+    constexpr int64_t TYPE = decltype(kind)::value;
+    switch (dtype) {
+      case at::kFloat: gather_rows<TYPE>(packed.data_ptr<uint8_t>(), K, id, T, out.data_ptr<float>()); break;
+      case at::kBFloat16: gather_rows<TYPE>(packed.data_ptr<uint8_t>(), K, id, T, out.data_ptr<at::BFloat16>()); break;
+      case at::kHalf: gather_rows<TYPE>(packed.data_ptr<uint8_t>(), K, id, T, out.data_ptr<at::Half>()); break;
+      default: TORCH_CHECK(false, "GGUF rows dequantize into float32, bfloat16 or float16, not ", dtype);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fleet_cpu, m) {
+  m.def("gguf_pack(Tensor rows, int quant_type, int in_features) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor packed, int quant_type, int out_features, Tensor? bias) -> Tensor");
+  m.def("gguf_rows(Tensor packed, int quant_type, int in_features, Tensor ids, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fleet_cpu, CPU, m) {
+  m.impl("gguf_pack", &gguf_pack);
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_rows", &gguf_rows);
+}

@@ -1,0 +1,131 @@
+"""GGUF weights kept in their quantized blocks (Q4_0, Q4_1, Q8_0) on a CPU.
+
+A GGUF file's tensors reach the model's loaders as `GGUFWeight`s: the
+file's bytes, one row per output feature, sliced like the float tensor they
+stand for. Before loading, `keep_quantized` turns every linear or embedding
+weight that can stay quantized into a uint8 parameter of those bytes
+(`param.gguf_type` says which blocks); the loaders then copy bytes, and
+`linear` (kernels/linear.py) multiplies them with the dequantizing kernel of
+`csrc/gguf_linear_cpu.cpp`. The default model, SmolLM2-135M Q4_1, then holds
+about its file's 94 MiB of weights instead of 260 MiB of bfloat16 plus its
+bfloat16 decode copy. Everything else (other quantization types, weights
+whose tensor-parallel slice splits a block, CUDA) is dequantized at load, as
+before.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fleet.kernels.cpu_extension import cpu_kernels
+
+BLOCK = 32
+"""Weights per block, in every type kept."""
+
+KEPT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+"""GGML quantization type -> (name, bytes per block) of the types the CPU kernel multiplies."""
+
+
+@dataclass
+class GGUFWeight:
+    """One quantized GGUF tensor, or a slice of it, standing in for the float
+    tensor of `shape` ([rows, columns], torch's order) in a weight loader."""
+
+    gguf_type: int
+    data: torch.Tensor
+    """uint8 [rows, bytes per row]: the file's blocks (a view of its mapping until copied)."""
+    shape: tuple[int, int]
+
+    @property
+    def is_kept(self) -> bool:
+        """Whether the CPU kernel can multiply these blocks as they are."""
+        return self.gguf_type in KEPT_TYPES and self.shape[1] % BLOCK == 0
+
+    def __getitem__(self, index: Any) -> GGUFWeight | torch.Tensor:
+        """Rows `[a:b]`, or columns `[:, a:b]`: blocks when the columns are whole
+        blocks, else the dequantized float32 slice."""
+        rows, columns = index if isinstance(index, tuple) else (index, slice(None))
+        rows = range(self.shape[0])[rows]
+        columns = range(self.shape[1])[columns]
+        assert rows.step == 1 and columns.step == 1, "weight loaders slice contiguous ranges"
+        if not self.is_kept or columns.start % BLOCK or len(columns) % BLOCK:
+            return self.dequantize(torch.float32)[rows.start : rows.stop, columns.start : columns.stop]
+        block_bytes = KEPT_TYPES[self.gguf_type][1]
+        data = self.data[rows.start : rows.stop, columns.start // BLOCK * block_bytes : columns.stop // BLOCK * block_bytes]
+        return GGUFWeight(self.gguf_type, data, (len(rows), len(columns)))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float tensor these blocks stand for, in `dtype`."""
+        ops = cpu_kernels()
+        if ops is not None and self.is_kept:
+            rows, columns = self.shape
+            packed = ops.gguf_pack(self.data.contiguous(), self.gguf_type, columns)
+            return ops.gguf_rows(packed, self.gguf_type, columns, torch.arange(rows), dtype)
+        import gguf  # deferred: only GGUF models need it
+
+        array = gguf.quants.dequantize(self.data.numpy(), gguf.GGMLQuantizationType(self.gguf_type))
+        return torch.from_numpy(np.ascontiguousarray(array)).reshape(self.shape).to(dtype)
+
+
+def copy_weight(dst: torch.Tensor, src: Any) -> torch.Tensor:
+    """What a loader copies into `dst` for the checkpoint slice `src`: the
+    blocks into a kept (uint8) parameter, else a float tensor."""
+    if isinstance(src, GGUFWeight):
+        return src.data if dst.dtype == torch.uint8 else src.dequantize(dst.dtype)
+    return src
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] -> [..., N] for a kept weight (its blocks packed in panels)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = cpu_kernels().gguf_linear(rows, weight, weight.gguf_type, weight.gguf_shape[0], bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def quantized_embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows `ids` of a kept embedding table, dequantized: [T, dim]."""
+    return cpu_kernels().gguf_rows(weight, weight.gguf_type, weight.gguf_shape[1], ids.long(), dtype)
+
+
+def keep_quantized(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> int:
+    """Turn into uint8 block parameters the weights of `model` that can stay
+    quantized: those of its linear and embedding layers (modules with a true
+    `keeps_gguf_blocks`) whose checkpoint tensors (several for a fused
+    projection) are all of one kept type, with whole blocks per rank. The
+    parameter objects stay the same (a tied LM head keeps its tie). Returns
+    the number of parameters turned."""
+    if cpu_kernels() is None:
+        return 0
+    types: dict[str, set[int | None]] = defaultdict(set)
+    for hf_name, weight in weights:
+        name, _ = model.param_name(hf_name)
+        types[name].add(weight.gguf_type if isinstance(weight, GGUFWeight) and weight.is_kept else None)
+    turned = 0
+    for module_name, module in model.named_modules():
+        param = getattr(module, "weight", None) if getattr(module, "keeps_gguf_blocks", False) else None
+        kinds = types.get(f"{module_name}.weight" if module_name else "weight", {None})
+        if param is None or param.dtype == torch.uint8 or len(kinds) != 1 or None in kinds:
+            continue
+        (gguf_type,) = kinds
+        rows, columns = param.shape
+        if columns % BLOCK:
+            continue
+        param.data = torch.empty(rows, columns // BLOCK * KEPT_TYPES[gguf_type][1], dtype=torch.uint8,
+                                 device=param.device)
+        param.gguf_type, param.gguf_shape = gguf_type, (rows, columns)
+        turned += 1
+    return turned
+
+
+def pack_kept_weights(model: nn.Module) -> None:
+    """After loading: rearrange every kept weight's blocks, copied as the file
+    rows them, into the panels the kernel reads (csrc/gguf_linear_cpu.cpp)."""
+    for param in model.parameters():
+        if param.dtype == torch.uint8 and hasattr(param, "gguf_type"):
+            param.data = cpu_kernels().gguf_pack(param.data, param.gguf_type, param.gguf_shape[1])
