@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -67,12 +68,15 @@ class ModelConfig:
 
     def keeps_gguf_blocks(self, device: str) -> bool:
         """Whether a GGUF file's Q4_0/Q4_1/Q8_0 weights stay in their blocks
-        (kernels/quantized.py): for a bfloat16 model on a CPU with
+        (kernels/quantized.py): on a CPU for a bfloat16 model with
         AVX512-BF16, where the kernel multiplies the blocks' integers as they
         are, faster than the dequantized weights for steps of few rows and as
-        fast for many. Elsewhere (float32 models, other CPUs, CUDA) the
-        weights are dequantized at load: the kernel's portable path is a
-        correct but slow reference there."""
+        fast for many; on CUDA with the `triton` extra, whose kernel
+        (kernels/triton_ops.py) dequantizes them per block. Elsewhere (float32
+        models and other CPUs) they are dequantized at load: the C++ kernel's
+        portable path is a correct but slow reference there."""
+        if device == "cuda":
+            return self.is_gguf and importlib.util.find_spec("triton") is not None
         return self.is_gguf and device == "cpu" and self.dtype == "bfloat16" and "avx512_bf16" in cpu_flags()
 
     def keeps_bfloat16_decode_weights(self, device: str) -> bool:

@@ -9,8 +9,9 @@ weight that can stay quantized into a uint8 parameter of those bytes
 `csrc/gguf_linear_cpu.cpp`. The default model, SmolLM2-135M Q4_1, then holds
 about its file's 94 MiB of weights instead of 260 MiB of bfloat16 plus its
 bfloat16 decode copy. Everything else (other quantization types, weights
-whose tensor-parallel slice splits a block, CUDA) is dequantized at load, as
-before.
+whose tensor-parallel slice splits a block) is dequantized at load. On CUDA
+the blocks stay as the file rows them, for the Triton kernel of
+kernels/triton_ops.py.
 """
 from __future__ import annotations
 
@@ -61,16 +62,31 @@ class GGUFWeight:
         return GGUFWeight(self.gguf_type, data, (len(rows), len(columns)))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The float tensor these blocks stand for, in `dtype`."""
-        ops = cpu_kernels()
-        if ops is not None and self.is_kept:
-            rows, columns = self.shape
-            packed = ops.gguf_pack(self.data.contiguous(), self.gguf_type, columns)
-            return ops.gguf_rows(packed, self.gguf_type, columns, torch.arange(rows), dtype)
+        """The float tensor these blocks stand for, in `dtype`: gguf-py's values."""
+        if self.gguf_type in KEPT_TYPES:
+            return dequantize_rows(self.data, self.gguf_type, self.shape[1], dtype)
         import gguf  # deferred: only GGUF models need it
 
         array = gguf.quants.dequantize(self.data.numpy(), gguf.GGMLQuantizationType(self.gguf_type))
         return torch.from_numpy(np.ascontiguousarray(array)).reshape(self.shape).to(dtype)
+
+
+def dequantize_rows(rows: torch.Tensor, gguf_type: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a kept type's blocks (uint8 [T, bytes], any device) -> [T,
+    columns] in `dtype`, as gguf-py computes them: d * q is exact in float32,
+    so adding m rounds once."""
+    blocks = rows.reshape(rows.shape[0], columns // BLOCK, KEPT_TYPES[gguf_type][1])
+    scale = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [T, blocks, 1]
+    if KEPT_TYPES[gguf_type][0] == "Q8_0":
+        weights = blocks[..., 2:].contiguous().view(torch.int8).float() * scale
+    else:
+        nibbles = blocks[..., -16:]  # byte j: input j (low nibble), j + 16 (high)
+        q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1).float()
+        if KEPT_TYPES[gguf_type][0] == "Q4_1":
+            weights = q * scale + blocks[..., 2:4].contiguous().view(torch.float16).float()
+        else:
+            weights = (q - 8) * scale
+    return weights.reshape(rows.shape[0], columns).to(dtype)
 
 
 def copy_weight(dst: torch.Tensor, src: Any) -> torch.Tensor:
@@ -82,14 +98,22 @@ def copy_weight(dst: torch.Tensor, src: Any) -> torch.Tensor:
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] -> [..., N] for a kept weight (its blocks packed in panels)."""
+    """x [..., K] -> [..., N] for a kept weight: on a CPU its blocks packed in
+    panels (the C++ kernel), on CUDA the file's rows of blocks (Triton)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = cpu_kernels().gguf_linear(rows, weight, weight.gguf_type, weight.gguf_shape[0], bias)
+    if weight.is_cuda:
+        from fleet.kernels import triton_ops
+
+        out = triton_ops.gguf_linear(rows, weight, weight.gguf_type, bias)
+    else:
+        out = cpu_kernels().gguf_linear(rows, weight, weight.gguf_type, weight.gguf_shape[0], bias)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def quantized_embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rows `ids` of a kept embedding table, dequantized: [T, dim]."""
+    if weight.is_cuda:
+        return dequantize_rows(weight.index_select(0, ids), weight.gguf_type, weight.gguf_shape[1], dtype)
     return cpu_kernels().gguf_rows(weight, weight.gguf_type, weight.gguf_shape[1], ids.long(), dtype)
 
 
@@ -100,7 +124,8 @@ def keep_quantized(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> int:
     projection) are all of one kept type, with whole blocks per rank. The
     parameter objects stay the same (a tied LM head keeps its tie). Returns
     the number of parameters turned."""
-    if cpu_kernels() is None:
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if on_cpu and cpu_kernels() is None:
         return 0
     types: dict[str, set[int | None]] = defaultdict(set)
     for hf_name, weight in weights:
@@ -124,8 +149,9 @@ def keep_quantized(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> int:
 
 
 def pack_kept_weights(model: nn.Module) -> None:
-    """After loading: rearrange every kept weight's blocks, copied as the file
-    rows them, into the panels the kernel reads (csrc/gguf_linear_cpu.cpp)."""
+    """After loading: rearrange every kept CPU weight's blocks, copied as the
+    file rows them, into the panels the kernel reads (csrc/gguf_linear_cpu.cpp).
+    CUDA weights stay in the file's rows, which the Triton kernel reads."""
     for param in model.parameters():
-        if param.dtype == torch.uint8 and hasattr(param, "gguf_type"):
+        if param.dtype == torch.uint8 and hasattr(param, "gguf_type") and param.device.type == "cpu":
             param.data = cpu_kernels().gguf_pack(param.data, param.gguf_type, param.gguf_shape[1])

@@ -335,3 +335,69 @@ def _align_pairs(local_ids: torch.Tensor, num_local: int) -> tuple[torch.Tensor,
     block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
     block_experts = torch.where(block_experts < num_local, block_experts, -1).to(torch.int32)
     return pairs[:capacity], block_experts
+
+
+# ---- GGUF blocks ----------------------------------------------------------------------------------
+
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+"""Bytes of one block of 32 weights, per kept GGML type (Q4_0, Q4_1, Q8_0): kernels/quantized.py."""
+
+
+@triton.jit
+def _half_at(ptr):
+    """The float32 value of the fp16 stored little-endian at ptr (bytes)."""
+    bits = tl.load(ptr).to(tl.uint16) | (tl.load(ptr + 1).to(tl.uint16) << 8)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gguf_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, m, n, k, x_stride, w_stride, out_stride,
+                        GGUF_TYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out = x @ W^T (+ bias) for a tile of rows and output features, W read
+    as the file's blocks (one row of blocks per feature) and dequantized per
+    block of 32 inputs, rounded to x's dtype as loading dequantized weights did."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < m, cols < n
+    inputs = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for block in range(0, k // 32):
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + block * 32 + inputs[None, :],
+                    mask=row_mask[:, None], other=0.0)
+        start = w_ptr + cols[:, None].to(tl.int64) * w_stride + block * BLOCK_BYTES  # [BLOCK_N, 1]
+        scale = _half_at(start)
+        if GGUF_TYPE == 8:  # Q8_0: 32 int8
+            q = tl.load(start + 2 + inputs[None, :], mask=col_mask[:, None], other=0)
+            w = q.to(tl.int8, bitcast=True).to(tl.float32) * scale
+        else:  # Q4_0, Q4_1: byte j holds input j (low nibble) and j + 16 (high)
+            values = start + (4 if GGUF_TYPE == 3 else 2)
+            byte = tl.load(values + (inputs % 16)[None, :], mask=col_mask[:, None], other=0)
+            q = ((byte >> tl.where(inputs < 16, 0, 4)[None, :].to(tl.uint8)) & 0xF).to(tl.float32)
+            if GGUF_TYPE == 3:
+                w = q * scale + _half_at(start + 2)
+            else:
+                w = (q - 8.0) * scale
+        # Rounded to x's dtype, then multiplied in float32 (on a GPU TF32, which
+        # holds bfloat16 values exactly; the interpreter cannot multiply bfloat16).
+        w = tl.where(col_mask[:, None], w, 0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc += tl.dot(x.to(tl.float32), tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def gguf_linear(x: torch.Tensor, weight: torch.Tensor, gguf_type: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] for W kept as a GGUF file's blocks:
+    uint8 [N, K / 32 * block bytes] (Q4_0, Q4_1 or Q8_0)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n = 16, 32  # tl.dot's smallest tile: a decode step's rows pad to 16
+    _gguf_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        GGUF_TYPE=gguf_type, BLOCK_BYTES=GGUF_BLOCK_BYTES[gguf_type], HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    return out

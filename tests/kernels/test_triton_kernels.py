@@ -158,3 +158,30 @@ def test_fused_moe_matches_the_torch_experts(dtype, num_tokens, expert_offset):
     expected = fused_moe(hidden, w13, w2, weights, ids, expert_offset)
     actual = triton_ops.fused_moe(*on(hidden, w13, w2, weights, ids), expert_offset)
     assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows,out_features", [(1, 45), (17, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gguf_linear_multiplies_the_blocks(kind, rows, out_features, dtype):
+    """A GGUF file's rows of blocks (what a CUDA worker keeps), against
+    gguf-py's dequantization multiplied in float32. bfloat16 rounds each
+    weight to bfloat16 first, as loading dequantized weights did: within 2 %
+    of each row's largest output."""
+    import gguf
+    import numpy as np
+
+    in_features = 96
+    gguf_type = gguf.GGMLQuantizationType[kind]
+    weights = np.random.default_rng(3).standard_normal((out_features, in_features)).astype(np.float32)
+    blocks = torch.from_numpy(gguf.quants.quantize(weights, gguf_type))
+    dequantized = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf_type).copy())
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(4)).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
+    out = triton_ops.gguf_linear(*on(x, blocks), int(gguf_type), on(bias)).cpu()
+    expected = x.float() @ dequantized.T + bias.float()
+    if dtype == torch.float32:
+        assert_close(out, expected, dtype)
+    else:
+        error = (out.float() - expected).abs().max(dim=1).values
+        assert (error <= 0.02 * expected.abs().max(dim=1).values).all(), error
