@@ -18,8 +18,10 @@ from torch import nn
 
 from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
+from fleet.config.model_files import hf_config_from_gguf
 from fleet.kernels.linear import keep_bfloat16_decode_weights, prepack_prefill_weights
 from fleet.kernels.quantized import GGUFWeight, keep_quantized, pack_kept_weights
+from fleet.workers.gguf_file import GGUFTensor, read_gguf_tensors
 from fleet.workers.models.registry import get_model_class
 
 # llama.cpp tensor names -> HF names (per layer: blk.N.<part> -> model.layers.N.<module>)
@@ -134,21 +136,17 @@ def gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     """A GGUF file's tensors under HF names: float ones as tensors, quantized
     ones as their blocks (views of the file's mapping until a loader copies
     them). Q/K rows of llama models are put back in HF's order."""
-    import gguf  # deferred: only GGUF models need it
-
-    reader = gguf.GGUFReader(path, "c")  # copy-on-write mapping: writable arrays, nothing read ahead
-    arch = reader.fields["general.architecture"].contents()
-    num_heads = reader.fields[f"{arch}.attention.head_count"].contents()
-    kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
-    num_kv_heads = kv_field.contents() if kv_field is not None else num_heads
-    for tensor in reader.tensors:
+    hf_config = hf_config_from_gguf(path)  # kept in fleet's cache
+    num_heads = hf_config["num_attention_heads"]
+    num_kv_heads = hf_config.get("num_key_value_heads") or num_heads
+    for tensor in read_gguf_tensors(path):
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             if tensor.name.rpartition(".")[0] in GGUF_IGNORED:
                 continue
             raise ValueError(f"GGUF tensor {tensor.name!r} of {path} has no HF counterpart")
         weight = _gguf_tensor(tensor)
-        if arch == "llama":  # llama.cpp's converter permutes Q/K rows of llama models only
+        if hf_config["model_type"] == "llama":  # llama.cpp's converter permutes Q/K rows of llama models only
             if ".self_attn.q_proj." in hf_name:
                 weight = _unpermuted(weight, num_heads)
             elif ".self_attn.k_proj." in hf_name:
@@ -156,17 +154,17 @@ def gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
         yield hf_name, weight
 
 
-def _gguf_tensor(tensor: Any) -> torch.Tensor | GGUFWeight:
-    """One tensor of a GGUFReader: a float tensor, or the blocks of a quantized one."""
-    import gguf
+_FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
+"""GGML types F32, F16, BF16 -> their torch dtype."""
 
+
+def _gguf_tensor(tensor: GGUFTensor) -> torch.Tensor | GGUFWeight:
+    """A float tensor, or the blocks of a quantized one."""
     data = torch.from_numpy(tensor.data)
-    if tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-                              gguf.GGMLQuantizationType.BF16):
-        return data
-    # GGUF lists dims the other way round: torch's (out, in) is the reversed shape.
-    rows, columns = int(np.prod(tensor.shape[1:])), int(tensor.shape[0])
-    return GGUFWeight(int(tensor.tensor_type), data.view(rows, -1), (rows, columns))
+    if tensor.gguf_type in _FLOAT_TYPES:
+        return data.view(_FLOAT_TYPES[tensor.gguf_type]).reshape(tensor.shape)
+    rows = int(np.prod(tensor.shape[:-1]))
+    return GGUFWeight(tensor.gguf_type, data, (rows, tensor.shape[-1]))
 
 
 def _unpermuted(weight: torch.Tensor | GGUFWeight, num_heads: int) -> torch.Tensor | GGUFWeight:

@@ -143,3 +143,18 @@ def _prefill_and_decode(model, dtype: torch.dtype) -> torch.Tensor:
         logits.append(model.compute_logits(model(torch.tensor([PROMPT[step]]), torch.tensor([position]), kv_caches,
                                                  meta)))
     return torch.cat(logits)
+
+
+def test_tensor_index_is_gguf_py_readers(gguf_path: str) -> None:
+    """workers/gguf_file.py steps over the metadata that gguf-py parses: the
+    same tensors, shapes, types and bytes."""
+    import gguf
+
+    from fleet.workers.gguf_file import read_gguf_tensors
+
+    ours = read_gguf_tensors(gguf_path)
+    theirs = gguf.GGUFReader(gguf_path).tensors
+    assert [t.name for t in ours] == [t.name for t in theirs]
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.shape == tuple(int(d) for d in reversed(reference.shape)) and mine.gguf_type == reference.tensor_type
+        assert mine.data.tobytes() == reference.data.tobytes(), mine.name
