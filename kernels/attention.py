@@ -95,6 +95,10 @@ class AttentionMetadata:
     """Host copy of seq_lens."""
     num_decode_seqs: int
     """How many leading sequences are decodes (query length 1)."""
+    decodes_only: bool
+    """Every sequence is a decode (num_decode_seqs == num_seqs). The kernels
+    branch on this flag, not on the two counts: a compiled decode graph
+    (workers/compiled_decode.py) then serves any number of sequences."""
 
     @property
     def num_seqs(self) -> int:
@@ -150,6 +154,7 @@ class AttentionMetadata:
             query_lens=list(query_lens),
             seq_lens_list=list(seq_lens),
             num_decode_seqs=num_decode_seqs,
+            decodes_only=num_decode_seqs == len(query_lens),
         )
 
 
@@ -227,7 +232,7 @@ def paged_attention(
     if fused is not None:
         # Decodes and prefill chunks alike: each token is a row attending to
         # the first kv_len tokens of its sequence, all of them in the cache now.
-        if meta.num_decode_seqs == meta.num_seqs:  # decodes only: rows are sequences
+        if meta.decodes_only:  # rows are sequences
             return fused.paged_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
         seq_index, kv_lens = meta._token_rows
         return fused.paged_attention(query, kv_cache, meta.block_tables, kv_lens, scale, seq_index)

@@ -9,6 +9,7 @@ import torch
 from fleet.config.fleet import FleetConfig
 from fleet.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from fleet.parallel.comm import get_pp_group
+from fleet.workers.compiled_decode import CompiledDecode
 from fleet.workers.input_batch import CachedRequests, CachedRequestState, StepBatch
 from fleet.workers.sampler import SamplingRow, sample_isolating_failures, top_logprobs
 from fleet.workers.structured_output import Grammars
@@ -32,6 +33,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.eos_token_ids = list(config.model.eos_token_ids)
         self.grammars = Grammars(config.model, config.model.hf_config.get("vocab_size") or 0)
+        self.compiled = CompiledDecode(config, model, device) if config.compilation.mode == "torch_compile" else None
 
     # ---- KV cache -------------------------------------------------------------------
 
@@ -43,6 +45,9 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
         allocate = _zeros_committed_on_use if self.device.type == "cpu" else torch.zeros
         self.kv_caches = [allocate(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
+        if self.compiled is not None:
+            with torch.inference_mode():  # as execute runs: the graphs guard on it
+                self.compiled.warm_up(self.kv_caches, self.dtype)
 
     # ---- one step ---------------------------------------------------------------------
 
@@ -59,7 +64,10 @@ class ModelRunner:
         if not self.stage.is_first:
             shape = (2, len(batch.input_ids), self.model.spec.hidden_size)  # hidden and residual
             intermediate = self.stage.recv_prev(shape, self.dtype, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attention, intermediate)
+        forward = self.model
+        if self.compiled is not None and self.compiled.applies(batch.attention):
+            forward = self.compiled
+        hidden = forward(batch.input_ids, batch.positions, self.kv_caches, batch.attention, intermediate)
         if not self.stage.is_last:
             self.stage.send_next(hidden)
             return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -243,9 +244,55 @@ def test_fleet_config_round_trips_through_msgspec(llama_config_dir):
     assert FleetConfig.decode(config.encode()) == config
 
 
-def test_a_compilation_mode_that_would_do_nothing_is_refused(llama_config_dir):
-    with pytest.raises(ValueError, match="--compilation-config mode 'torch_compile' is not built yet.*mode none"):
-        create(llama_config_dir, compilation_config=CompilationConfig(mode="torch_compile"))
+def test_torch_compile_is_built_for_the_cpu(llama_config_dir):
+    config = create(llama_config_dir, compilation_config={"mode": "torch_compile", "max_batch_size": 8})
+    assert config.compilation == CompilationConfig(mode="torch_compile", max_batch_size=8)
+
+
+@pytest.mark.parametrize(
+    "device,mode,message",
+    [
+        ("cpu", "cudagraph", "mode 'cudagraph' is not built: the modes are none (cpu or cuda), torch_compile (cpu)"),
+        ("cuda", "torch_compile", "mode 'torch_compile' is not built on cuda: the modes are none (cpu or cuda), "),
+    ],
+)
+def test_a_compilation_mode_that_would_do_nothing_is_refused(llama_config_dir, device, mode, message):
+    args = EngineArgs(model=str(llama_config_dir), device=device, compilation_config=CompilationConfig(mode=mode))
+    with pytest.raises(ValueError) as error:
+        args.create_config()
+    assert str(error.value).startswith(f"--compilation-config {message}")
+
+
+def test_torch_compile_is_refused_for_a_moe_model(moe_config_dir):
+    with pytest.raises(ValueError, match="mode 'torch_compile' is built for dense models: .* use mode none"):
+        create(moe_config_dir, compilation_config={"mode": "torch_compile"})
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"max_batch_size": 0}, "max_batch_size must be at least 1, got 0"),
+        ({"max_batch_size": 8, "batch_sizes": [0, 4, 9]}, "batch_sizes [0, 9] are outside 1..max_batch_size (8)"),
+    ],
+)
+def test_compilation_sizes_out_of_range_are_refused(llama_config_dir, fields, message):
+    with pytest.raises(ValueError, match=re.escape(f"--compilation-config {message}")):
+        create(llama_config_dir, compilation_config={"mode": "torch_compile", **fields})
+
+
+@pytest.mark.parametrize(
+    "fields,max_num_seqs,sizes",
+    [
+        ({"mode": "none"}, 128, []),
+        ({}, 128, [1, 2, 4, 8, 16, 32, 64]),  # max_batch_size 64
+        ({}, 6, [1, 2, 4, 6]),
+        ({"max_batch_size": 1}, 128, [1]),
+        ({"batch_sizes": []}, 128, []),  # compile on first use
+        ({"batch_sizes": [16, 3, 64]}, 8, [3, 8]),
+    ],
+)
+def test_warm_up_sizes(fields, max_num_seqs, sizes):
+    assert CompilationConfig(**{"mode": "torch_compile", **fields}).warm_up_sizes(max_num_seqs) == sizes
 
 
 def test_fleet_config_is_frozen(llama_config_dir):
