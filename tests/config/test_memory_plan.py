@@ -9,6 +9,7 @@ from fleet.config import EngineArgs, FleetConfig
 from fleet.frontend.plan import build_node_plan, describe
 from fleet.tests.config.plan_json import of_kind
 from fleet.workers.memory import (
+    COMPILED_DECODE_BYTES,
     KV_SHARE_OF_NODE,
     blocks_per_sequence,
     check_fits,
@@ -42,6 +43,14 @@ def test_no_more_kv_cache_than_the_launch_can_use(llama_config_dir):
     assert plan.kv_cache_source == "--max-num-seqs x --max-model-len"
     assert plan.worker.kv_cache == 8 * blocks_per_sequence(config) * kv_bytes_per_block(config)
     assert plan.worker.kv_cache == usable_kv_cache_bytes(config)
+
+
+def test_a_compiled_decode_step_counts_in_each_workers_runtime(llama_config_dir):
+    eager = node_memory(create(llama_config_dir, tensor_parallel_size=2), node_bytes=NODE)
+    compiled = node_memory(create(llama_config_dir, tensor_parallel_size=2,
+                                  compilation_config={"mode": "torch_compile"}), node_bytes=NODE)
+    assert compiled.worker.runtime == eager.worker.runtime + COMPILED_DECODE_BYTES
+    assert compiled.footprint == eager.footprint + 2 * COMPILED_DECODE_BYTES  # the KV caches are the same
 
 
 def test_eight_workers_of_tp4_dp2_fit_a_24_gib_node(llama_config_dir):

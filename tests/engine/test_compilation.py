@@ -72,14 +72,15 @@ def test_compiled_decode_is_eager_bit_for_bit_with_no_graph_after_warm_up(tiny_l
 
 
 @pytest.mark.slow
-def test_generation_through_the_compiled_decode_matches_transformers(tiny_llama_dir, capfd):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_generation_through_the_compiled_decode_matches_transformers(tiny_llama_dir, capfd, tp):
     model = hf_model(str(tiny_llama_dir))
     # 20 blocks of 16 tokens hold 320 tokens, fewer than 4 sequences of up to ~90 need: requests are
     # preempted and recomputed; 32 tokens a step put prefill chunks beside decodes; as requests
     # finish and start, decode steps hold 1 to 4 sequences.
     with fleet.LLM(
         str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4,
-        max_num_batched_tokens=32, kv_cache_memory_bytes=20 * 16 * 1024,
+        max_num_batched_tokens=32, kv_cache_memory_bytes=20 * 16 * 1024 // tp, tensor_parallel_size=tp,
         compilation_config={"mode": "torch_compile"},
     ) as llm:  # fmt: skip
         assert "compiled the decode step for batch sizes [1, 2, 4]" in capfd.readouterr().err
