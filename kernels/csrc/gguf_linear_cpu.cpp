@@ -49,6 +49,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
@@ -243,6 +244,34 @@ inline void unpack_pair(const uint8_t* values, int64_t kp, __m512bh& low, __m512
   }
 }
 
+// acc[m] += the k-pair's two value vectors times x[m]'s pair at k (rows of
+// stride K), one VDPBF16PS per vector and row.
+template <int MR>
+inline void add_pair(__m512 (&acc)[MR][2], __m512bh low, __m512bh high, const at::BFloat16* x, int64_t K, int64_t k) {
+  for (int m = 0; m < MR; ++m) {
+    int32_t pair;
+    std::memcpy(&pair, x + m * K + k, sizeof(pair));
+    const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+    acc[m][0] = _mm512_dpbf16_ps(acc[m][0], low, xv);
+    acc[m][1] = _mm512_dpbf16_ps(acc[m][1], high, xv);
+  }
+}
+
+// y[m][0, valid) = sums[m] + bias for `rows` rows (row m's 32 float32 lanes
+// from lanes(m)), rounded to bfloat16.
+template <typename Lanes>
+inline void store_rows(Lanes lanes, int64_t rows, const at::BFloat16* bias, at::BFloat16* y, int64_t ldy,
+                       int64_t valid) {
+  const __mmask16 mask0 = tail_mask(valid), mask1 = tail_mask(valid - 16);
+  const __m512 b0 = bias ? load16(bias, mask0) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? load16(bias + 16, mask1) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    const auto [low, high] = lanes(m);
+    store16(y + m * ldy, _mm512_add_ps(low, b0), mask0);
+    store16(y + m * ldy + 16, _mm512_add_ps(high, b1), mask1);
+  }
+}
+
 // Each row's sum over the block of v * x, into 32 feature lanes (two
 // vectors). Rows of x are bfloat16 with stride K, starting at the block.
 template <int64_t TYPE, int MR>
@@ -251,13 +280,7 @@ inline void block_dots(const uint8_t* values, const at::BFloat16* x, int64_t K, 
   for (int64_t kp = 0; kp < PAIRS; ++kp) {
     __m512bh low, high;
     unpack_pair<TYPE>(values, kp, low, high);
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * K + 2 * kp, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      dots[m][0] = _mm512_dpbf16_ps(dots[m][0], low, xv);
-      dots[m][1] = _mm512_dpbf16_ps(dots[m][1], high, xv);
-    }
+    add_pair<MR>(dots, low, high, x, K, 2 * kp);
   }
 }
 
@@ -317,14 +340,11 @@ void integer_rows_bf16(const at::BFloat16* x, const uint8_t* packed, int64_t M, 
                                     acc.data() + m0 * PANEL);
         }
       }
-      const int64_t n0 = p * PANEL, valid = std::min(PANEL, N - n0);
-      const __mmask16 mask0 = tail_mask(valid), mask1 = tail_mask(valid - 16);
-      const __m512 b0 = bias ? load16(bias + n0, mask0) : _mm512_setzero_ps();
-      const __m512 b1 = bias ? load16(bias + n0 + 16, mask1) : _mm512_setzero_ps();
-      for (int64_t m = 0; m < M; ++m) {
-        store16(y + m * N + n0, _mm512_add_ps(_mm512_loadu_ps(acc.data() + m * PANEL), b0), mask0);
-        store16(y + m * N + n0 + 16, _mm512_add_ps(_mm512_loadu_ps(acc.data() + m * PANEL + 16), b1), mask1);
-      }
+      const int64_t n0 = p * PANEL;
+      const float* sums_of = acc.data();
+      store_rows([&](int64_t m) { return std::pair(_mm512_loadu_ps(sums_of + m * PANEL),
+                                                   _mm512_loadu_ps(sums_of + m * PANEL + 16)); },
+                 M, bias ? bias + n0 : nullptr, y + n0, N, std::min(PANEL, N - n0));
     }
   });
 }
@@ -386,22 +406,9 @@ void panel_rows(const __m512i* lines, const at::BFloat16* x, int64_t K, const at
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
-    const __m512bh low = (__m512bh)lines[2 * kp], high = (__m512bh)lines[2 * kp + 1];
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * K + 2 * kp, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], low, xv);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], high, xv);
-    }
+    add_pair<MR>(acc, (__m512bh)lines[2 * kp], (__m512bh)lines[2 * kp + 1], x, K, 2 * kp);
   }
-  const __mmask16 mask0 = tail_mask(valid), mask1 = tail_mask(valid - 16);
-  const __m512 b0 = bias ? load16(bias, mask0) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? load16(bias + 16, mask1) : _mm512_setzero_ps();
-  for (int m = 0; m < MR; ++m) {
-    store16(y + m * ldy, _mm512_add_ps(acc[m][0], b0), mask0);
-    store16(y + m * ldy + 16, _mm512_add_ps(acc[m][1], b1), mask1);
-  }
+  store_rows([&](int64_t m) { return std::pair(acc[m][0], acc[m][1]); }, MR, bias, y, ldy, valid);
 }
 
 using PanelRows = void (*)(const __m512i*, const at::BFloat16*, int64_t, const at::BFloat16*, at::BFloat16*, int64_t,
