@@ -1,17 +1,20 @@
-"""GGUF weights kept in their quantized blocks (Q4_0, Q4_1, Q8_0) on a CPU.
+"""GGUF weights kept in their quantized blocks (Q4_0, Q4_1, Q8_0).
 
 A GGUF file's tensors reach the model's loaders as `GGUFWeight`s: the
-file's bytes, one row per output feature, sliced like the float tensor they
-stand for. Before loading, `keep_quantized` turns every linear or embedding
-weight that can stay quantized into a uint8 parameter of those bytes
-(`param.gguf_type` says which blocks); the loaders then copy bytes, and
-`linear` (kernels/linear.py) multiplies them with the dequantizing kernel of
-`csrc/gguf_linear_cpu.cpp`. The default model, SmolLM2-135M Q4_1, then holds
-about its file's 94 MiB of weights instead of 260 MiB of bfloat16 plus its
-bfloat16 decode copy. Everything else (other quantization types, weights
-whose tensor-parallel slice splits a block) is dequantized at load. On CUDA
-the blocks stay as the file rows them, for the Triton kernel of
-kernels/triton_ops.py.
+file's bytes, one row of blocks per output feature, sliced like the float
+tensor they stand for. Where `ModelConfig.keeps_gguf_blocks` says so (a
+bfloat16 model on an AVX512-BF16 CPU, or CUDA with Triton),
+`keep_quantized` turns every linear or embedding weight that can stay
+quantized into a uint8 parameter of those bytes before loading
+(`param.gguf_type` says which blocks, `param.gguf_shape` what they stand
+for); the loaders then copy bytes. On a CPU `pack_kept_weights` rearranges
+them into the panels that `csrc/gguf_linear_cpu.cpp` reads; on CUDA they stay
+as the file rows them, for `triton_ops.gguf_linear`. `linear`
+(kernels/linear.py) and the embedding call `quantized_linear` and
+`quantized_embedding`. The default model, SmolLM2-135M Q4_1, then holds 92
+MiB of weights instead of 260 MiB of bfloat16 plus its bfloat16 decode copy.
+Everything else (other quantization types, a tensor-parallel slice that
+splits a block, float32 models) is dequantized at load into gguf-py's values.
 """
 from __future__ import annotations
 
