@@ -117,3 +117,22 @@ def test_weight_estimate_matches_the_models_parameters(request, fixture):
     assert estimate == pytest.approx(actual, rel=0.05)
     halves = worker_weight_bytes(create(model_dir, dtype="float32", tensor_parallel_size=2))
     assert halves == pytest.approx(actual / 2, rel=0.05)
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_weight_estimate_of_kept_gguf_blocks_is_the_files_bytes(tp):
+    """A bfloat16 GGUF model whose blocks stay quantized (kernels/quantized.py)
+    holds about its file's bytes, split over tensor parallel, with no bfloat16
+    decode copy; loaded, the default model's parameters take 92 MiB."""
+    import os
+
+    from fleet.config.model_files import default_model_path
+
+    try:
+        path = default_model_path()
+    except ValueError as error:
+        pytest.skip(str(error))
+    config = create(path, dtype="bfloat16", tensor_parallel_size=tp)
+    if not config.model.keeps_gguf_blocks("cpu"):
+        pytest.skip("GGUF blocks stay quantized only on a CPU with AVX512-BF16")
+    assert worker_weight_bytes(config) == pytest.approx(os.path.getsize(path) / tp, rel=0.1)
