@@ -344,10 +344,11 @@ GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
 
 
 @triton.jit
-def _half_at(ptr):
-    """The float32 value of the fp16 stored little-endian at ptr (bytes)."""
-    bits = tl.load(ptr).to(tl.uint16) | (tl.load(ptr + 1).to(tl.uint16) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+def _half_at(ptr, mask):
+    """The float32 value of the fp16 stored little-endian at ptr (bytes); 0 where masked."""
+    low = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    high = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -366,7 +367,7 @@ def _gguf_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, m, n, k, x_stride, w_st
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + block * 32 + inputs[None, :],
                     mask=row_mask[:, None], other=0.0)
         start = w_ptr + cols[:, None].to(tl.int64) * w_stride + block * BLOCK_BYTES  # [BLOCK_N, 1]
-        scale = _half_at(start)
+        scale = _half_at(start, col_mask[:, None])  # no read past the last feature's row
         if GGUF_TYPE == 8:  # Q8_0: 32 int8
             q = tl.load(start + 2 + inputs[None, :], mask=col_mask[:, None], other=0)
             w = q.to(tl.int8, bitcast=True).to(tl.float32) * scale
@@ -375,7 +376,7 @@ def _gguf_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, m, n, k, x_stride, w_st
             byte = tl.load(values + (inputs % 16)[None, :], mask=col_mask[:, None], other=0)
             q = ((byte >> tl.where(inputs < 16, 0, 4)[None, :].to(tl.uint8)) & 0xF).to(tl.float32)
             if GGUF_TYPE == 3:
-                w = q * scale + _half_at(start + 2)
+                w = q * scale + _half_at(start + 2, col_mask[:, None])
             else:
                 w = (q - 8.0) * scale
         # Rounded to x's dtype, then multiplied in float32 (on a GPU TF32, which
