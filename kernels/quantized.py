@@ -33,7 +33,7 @@ BLOCK = 32
 """Weights per block, in every type kept."""
 
 KEPT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
-"""GGML quantization type -> (name, bytes per block) of the types the CPU kernel multiplies."""
+"""GGML quantization type -> (name, bytes per block) of the types the kernels multiply (C++ and Triton)."""
 
 
 @dataclass

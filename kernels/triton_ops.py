@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fleet.kernels.quantized import KEPT_TYPES
+
 
 def serves(*tensors: torch.Tensor) -> bool:
     """Whether these tensors are the kernels' to take: all on a CUDA device."""
@@ -339,10 +341,6 @@ def _align_pairs(local_ids: torch.Tensor, num_local: int) -> tuple[torch.Tensor,
 
 # ---- GGUF blocks ----------------------------------------------------------------------------------
 
-GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-"""Bytes of one block of 32 weights, per kept GGML type (Q4_0, Q4_1, Q8_0): kernels/quantized.py."""
-
-
 @triton.jit
 def _half_at(ptr, mask):
     """The float32 value of the fp16 stored little-endian at ptr (bytes); 0 where masked."""
@@ -398,7 +396,7 @@ def gguf_linear(x: torch.Tensor, weight: torch.Tensor, gguf_type: int, bias: tor
     block_m, block_n = 16, 32  # tl.dot's smallest tile: a decode step's rows pad to 16
     _gguf_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        GGUF_TYPE=gguf_type, BLOCK_BYTES=GGUF_BLOCK_BYTES[gguf_type], HAS_BIAS=bias is not None,
+        GGUF_TYPE=gguf_type, BLOCK_BYTES=KEPT_TYPES[gguf_type][1], HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n,
     )
     return out

@@ -18,17 +18,19 @@
 // 32-byte line per kp, vector 0 in the low nibbles and vector 1 in the high;
 // for Q8_0 two 32-byte lines per kp. Features past N are zero.
 //
-// The multiply never dequantizes on a CPU with AVX512-BF16 (a bfloat16
-// model): the integers of a block are exact in bfloat16, so per block and
-// row of x, VDPBF16PS sums v * x over the block's k-pairs into 32 feature
-// lanes, then
+// On a CPU with AVX512-BF16 (a bfloat16 model), steps of up to INTEGER_ROWS
+// rows never dequantize: the integers of a block are exact in bfloat16, so
+// per block and row of x, VDPBF16PS sums v * x over the block's k-pairs into
+// 32 feature lanes, then
 //   y += d * sum(v x) + c * sum(x)
 // with v = 128 + q for the 4-bit types (the nibble ORed into the bits of
 // 128.0: no conversion), c = m - 128 d (Q4_1) or -136 d (Q4_0); v = q, c = 0
-// for Q8_0. Each line of values is unpacked once per block and used by every
-// row of x. The products are exact; the float32 sums differ from those of the
-// dequantized model in order, and in skipping the weights' rounding to
-// bfloat16 (tests/kernels/test_gguf_linear.py states the tolerance).
+// for Q8_0. Each line of values is unpacked once per block and tile of
+// TILE_ROWS rows of x. The products are exact; the float32 sums differ from
+// those of the dequantized model in order, and in skipping the weights'
+// rounding to bfloat16 (tests/kernels/test_gguf_linear.py states the
+// tolerance). Larger steps dequantize a panel at a time into bfloat16, rounded
+// as loading dequantized weights did, and multiply it for every row.
 // Elsewhere (a float32 model, a CPU without AVX512-BF16) each block is
 // dequantized into a float32 tile, rounded to the model's dtype as loading
 // dequantized weights did, and multiplied in float32: the dequantized model's
