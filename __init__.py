@@ -33,6 +33,25 @@ def _forget_checkout_root() -> None:
 
 _forget_checkout_root()
 
+
+def _hold_torch_to_the_cpu_class() -> None:
+    """Under FLEET_CPU_ISA, set torch's and oneDNN's own variables before torch
+    loads: every fleet process (launcher, engine, worker, a test run) imports
+    `fleet` first. A bad value is left for the CLI or the engine to refuse in
+    one line (config/cpu_class.py), not raised while importing."""
+    if not os.environ.get("FLEET_CPU_ISA"):
+        return
+    from fleet.config import env
+    from fleet.config.cpu_class import torch_environment
+
+    try:
+        env.hold_torch_to(torch_environment())
+    except ValueError:
+        pass
+
+
+_hold_torch_to_the_cpu_class()
+
 if TYPE_CHECKING:
     from fleet.config.engine_args import EngineArgs
     from fleet.core.sampling_params import SamplingParams, StructuredOutputsParams

@@ -1,7 +1,6 @@
 """Which device the workers compute on."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,28 +40,3 @@ def _cuda_available() -> bool:
     libraries = Path(spec.submodule_search_locations[0]) / "lib"
     cuda_build = any(libraries.glob("libtorch_cuda*.so*")) or any(libraries.glob("torch_cuda*.dll"))
     return cuda_build and any(Path("/dev").glob("nvidia[0-9]*"))
-
-
-NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_computes_bfloat16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16).
-    Elsewhere oneDNN emulates it, 3-8x slower than float32."""
-    return any(flag in cpu_flags() for flag in NATIVE_BF16_CPU_FLAGS)
-
-
-def cpu_has_avx512() -> bool:
-    """Whether fleet's CPU kernels get their AVX-512 paths (F and BW)."""
-    return {"avx512f", "avx512bw"} <= cpu_flags()
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags, read from /proc/cpuinfo, not torch, so that
-    the launcher stays light; a system without it (not Linux) has none."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), []))
-    except OSError:
-        return frozenset()

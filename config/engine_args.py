@@ -10,7 +10,8 @@ from typing import Any, Literal
 from fleet.config import env
 from fleet.config.cache import CacheConfig
 from fleet.config.compilation import CompilationConfig
-from fleet.config.device import DeviceConfig, cpu_computes_bfloat16
+from fleet.config.cpu_class import cpu_class, cpu_computes_bfloat16
+from fleet.config.device import DeviceConfig
 from fleet.config.fields import HumanInt, HumanReadable, parse_human_int
 from fleet.config.fleet import FleetConfig
 from fleet.config.frontend import FrontendConfig
@@ -143,6 +144,8 @@ class EngineArgs:
         """Resolve every default that depends on the model, the hardware and the
         parallel layout. Raises ValueError naming the flags of any inconsistency."""
         device = DeviceConfig(**self._group("device")).resolve()
+        if device.device == "cpu":
+            cpu_class()  # refuses a FLEET_CPU_ISA this machine lacks, before anything starts
         load = LoadConfig(**self._group("load"))
         model = _resolve_model(ModelConfig(**self._group("model")), load, device)
         parallel = ParallelConfig(**self._group("parallel")).resolve(is_moe=model.is_moe)

@@ -46,3 +46,16 @@ def set_gloo_interface(interface: str) -> None:
 def malloc_mmap_threshold_set() -> bool:
     """Whether the user tuned glibc's MALLOC_MMAP_THRESHOLD_ (their setting wins over fleet's)."""
     return "MALLOC_MMAP_THRESHOLD_" in os.environ
+
+
+def cpu_isa() -> str | None:
+    """FLEET_CPU_ISA: run fleet as on a CPU of a lower class (config/cpu_class.py:
+    baseline, avx2, avx512, avx512_bf16, amx). Unset: the machine's own class."""
+    return os.environ.get("FLEET_CPU_ISA") or None
+
+
+def hold_torch_to(settings: dict[str, str]) -> None:
+    """Set torch's and oneDNN's own variables (ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA) for this process and its children; they take effect
+    only if torch has not loaded yet."""
+    os.environ.update(settings)

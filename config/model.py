@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fleet.config.device import cpu_computes_bfloat16, cpu_flags, cpu_has_avx512
+from fleet.config.cpu_class import CpuClass, cpu_class, cpu_computes_bfloat16, cpu_has_avx512
 from fleet.config.fields import RESOLVED, HumanInt
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -77,7 +77,7 @@ class ModelConfig:
         portable path is a correct but slow reference there."""
         if device == "cuda":
             return self.is_gguf and importlib.util.find_spec("triton") is not None
-        return self.is_gguf and device == "cpu" and self.dtype == "bfloat16" and "avx512_bf16" in cpu_flags()
+        return self.is_gguf and device == "cpu" and self.dtype == "bfloat16" and cpu_class() >= CpuClass.avx512_bf16
 
     def keeps_bfloat16_decode_weights(self, device: str) -> bool:
         """Whether the model also keeps its linear weights in bfloat16, packed

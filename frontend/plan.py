@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from fleet.config.cpu_class import cpu_paths
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
 from fleet.core import ipc
@@ -138,6 +139,7 @@ def describe(config: FleetConfig, plan: NodePlan) -> dict[str, Any]:
         "cache": dataclasses.asdict(config.cache),
         "memory": _memory_summary(config),
         "device": {**dataclasses.asdict(config.device), "distributed_backend": config.device.distributed_backend},
+        "cpu": cpu_paths(config.model) if config.device.device == "cpu" else None,
         "load": dataclasses.asdict(config.load),
         "frontend": {k: v for k, v in dataclasses.asdict(config.frontend).items() if k != "api_key"},
         "compilation": dataclasses.asdict(config.compilation),

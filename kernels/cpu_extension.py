@@ -10,8 +10,10 @@ Builds live where torch keeps JIT extensions (TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions/py<ver>_<accel>/<name>/). The name carries a digest
 of the source, the flags, the torch version and this CPU's features
 (-march=native code must not run on another CPU sharing the same home
-directory), so a built library is current by construction: a later process
-imports it directly, without asking ninja. Concurrent builders are serialised
+directory). The -march flags are the CPU class's (config/cpu_class.py): the
+machine's own, or a lower class's instruction set under FLEET_CPU_ISA, so the
+`#if defined(__AVX512F__)` paths compiled in are the class's. A built library
+is current by construction: a later process imports it directly, without asking ninja. Concurrent builders are serialised
 by an flock the kernel releases if its holder dies; torch's own lock file,
 which a killed builder would leave behind for everyone to wait on forever, is
 cleared under it.
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from fleet.config.device import cpu_flags
+from fleet.config.cpu_class import compiler_flags, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ _SOURCES = [Path(__file__).parent / "csrc" / name for name in (
     "paged_attention_cpu.cpp", "elementwise_cpu.cpp", "linear_bf16_weight_cpu.cpp", "rotary_cache_cpu.cpp",
     "gguf_linear_cpu.cpp",
 )]
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_CFLAGS = ["-O3", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
@@ -84,7 +86,7 @@ def _load() -> None:
                 load(  # builds, then loads the library: its ops register themselves
                     name=name,
                     sources=[str(s) for s in _SOURCES],
-                    extra_cflags=_CFLAGS,
+                    extra_cflags=[*_CFLAGS, *compiler_flags()],
                     extra_ldflags=_LDFLAGS,
                     build_directory=str(build_dir),
                     verbose=False,
@@ -106,7 +108,8 @@ def _fingerprint() -> str:
     for source in [*_SOURCES, *sorted(_SOURCES[0].parent.glob("*.h"))]:
         digest.update(source.read_bytes())
     cpu = " ".join(sorted(cpu_flags())) or platform.processor()  # -march=native code is this CPU's
-    parts = [*_CFLAGS, *_LDFLAGS, torch.__version__, platform.python_version(), platform.machine(), cpu]
+    parts = [*_CFLAGS, *compiler_flags(), *_LDFLAGS, torch.__version__, platform.python_version(),
+             platform.machine(), cpu]
     digest.update("\0".join(parts).encode())
     return digest.hexdigest()[:12]
 

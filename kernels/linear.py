@@ -22,6 +22,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from fleet.config.cpu_class import cpu_computes_bfloat16
 from fleet.kernels.cpu_extension import cpu_kernels
 from fleet.kernels.quantized import quantized_linear
 
@@ -85,8 +86,10 @@ def prepack_prefill_weights(model: torch.nn.Module) -> int:
     with SmolLM2, a 256-token prefill 188 -> 176 ms, outputs bit-identical.
     Weights another module shares (an LM head tied to the embedding) stay
     plain. Call after `keep_bfloat16_decode_weights`, which reads the plain
-    weights; returns the number of weights prepacked."""
-    if not torch.backends.mkldnn.is_available():
+    weights; returns the number of weights prepacked: none where the CPU class
+    does not compute bfloat16 natively (torch's reorder refuses bfloat16 below
+    AVX-512, and oneDNN emulates it above), nor in a torch without oneDNN."""
+    if not torch.backends.mkldnn.is_available() or not cpu_computes_bfloat16():
         return 0
     uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
     prepacked = 0

@@ -71,6 +71,8 @@ class Worker:
             from fleet.kernels.cpu_extension import cpu_kernels
 
             cpu_kernels()  # build or load the fused CPU kernels now, not in the first request
+            if rank == 0:
+                cpu_dtype.log_cpu_paths(config.model)
 
     def available_kv_blocks(self) -> int:
         budget = self._kv_cache_budget_bytes()

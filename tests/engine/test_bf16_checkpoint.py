@@ -9,7 +9,7 @@ import torch
 
 import fleet
 from fleet import SamplingParams
-from fleet.config.device import cpu_computes_bfloat16, cpu_has_avx512
+from fleet.config.cpu_class import cpu_computes_bfloat16, cpu_has_avx512
 from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
 from fleet.config.model_files import read_hf_config

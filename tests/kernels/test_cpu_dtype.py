@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from fleet.config.device import cpu_computes_bfloat16
+from fleet.config.cpu_class import cpu_computes_bfloat16
 from fleet.workers.cpu_dtype import warn_if_bfloat16_is_emulated
 
 

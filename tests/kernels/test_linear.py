@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fleet.config.cpu_class import cpu_computes_bfloat16
 from fleet.kernels.linear import (
     DECODE_ROWS,
     PANEL,
@@ -101,20 +102,25 @@ def test_copies_go_to_the_layers_that_take_them(dtype):
     assert model[0].decode_weight is None  # float16: the kernel does not take it
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-def test_prepacked_weights_serve_steps_of_many_rows_and_shared_weights_stay_plain(ops):
-    class Layer(torch.nn.Module):
-        decode_weight = None
+class Layer(torch.nn.Module):
+    decode_weight = None
 
-        def __init__(self, weight: torch.nn.Parameter) -> None:
-            super().__init__()
-            self.weight = weight
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
 
-    def bf16_parameter(seed: int) -> torch.nn.Parameter:
-        return torch.nn.Parameter(bf16_exact(48, 32, seed=seed).bfloat16(), requires_grad=False)
 
+def model_with_a_tied_layer() -> torch.nn.Sequential:
+    """A bfloat16 layer of its own, an embedding, and a layer sharing the embedding's weight."""
+    own = torch.nn.Parameter(bf16_exact(48, 32, seed=4).bfloat16(), requires_grad=False)
     embedding = torch.nn.Embedding(48, 32).bfloat16()
-    model = torch.nn.Sequential(Layer(bf16_parameter(4)), embedding, Layer(embedding.weight))
+    return torch.nn.Sequential(Layer(own), embedding, Layer(embedding.weight))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not cpu_computes_bfloat16(),
+                    reason="oneDNN prepacks bfloat16 only on a CPU class with native bfloat16")
+def test_prepacked_weights_serve_steps_of_many_rows_and_shared_weights_stay_plain(ops):
+    model = model_with_a_tied_layer()
     plain = model[0].weight.detach().clone()
     keep_bfloat16_decode_weights(model)
     assert prepack_prefill_weights(model) == 1
@@ -128,3 +134,17 @@ def test_prepacked_weights_serve_steps_of_many_rows_and_shared_weights_stay_plai
     few = torch.randn(3, 32, dtype=torch.bfloat16)  # the decode copy, whatever the weight's layout
     torch.testing.assert_close(linear(few, model[0].weight, None, model[0].decode_weight),
                                ops.linear_bf16_weight(few, model[0].decode_weight, 48, None), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(cpu_computes_bfloat16(), reason="this CPU class prepacks (the test above)")
+def test_below_native_bfloat16_weights_stay_plain_and_serve(ops):
+    """On AVX2 (or FLEET_CPU_ISA=avx2/avx512) torch's reorder refuses or
+    emulates bfloat16: nothing is prepacked and F.linear serves many rows."""
+    model = model_with_a_tied_layer()
+    plain = model[0].weight.detach().clone()
+    keep_bfloat16_decode_weights(model)
+    assert prepack_prefill_weights(model) == 0
+    assert not any(layer.weight.is_mkldnn for layer in model)
+    x = torch.randn(DECODE_ROWS + 1, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(linear(x, model[0].weight, None, model[0].decode_weight), F.linear(x, plain),
+                               rtol=0, atol=0)
