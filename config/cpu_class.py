@@ -151,3 +151,10 @@ def cpu_flags() -> frozenset[str]:
             return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), []))
     except OSError:
         return frozenset()
+
+
+def classes_below_this_machine() -> list[CpuClass]:
+    """The classes FLEET_CPU_ISA can emulate here, down to avx2 (what `make
+    test` runs the kernel, model and engine tests again under), highest first."""
+    return [cls for cls in reversed(CpuClass) if CpuClass.avx2 <= cls < machine_cpu_class()]
+

@@ -110,3 +110,12 @@ def test_the_override_holds_torch_and_shows_in_the_plan(isa, capability):
 
 def _environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+
+
+def test_make_test_runs_again_under_each_class_below_the_machines(machine):
+    machine(SAPPHIRE_RAPIDS)
+    assert cc.classes_below_this_machine() == [CpuClass.avx512_bf16, CpuClass.avx512, CpuClass.avx2]
+    machine(ZEN4)
+    assert cc.classes_below_this_machine() == [CpuClass.avx512, CpuClass.avx2]
+    machine(AVX2_EPYC)
+    assert cc.classes_below_this_machine() == []
