@@ -31,10 +31,26 @@
 // rounding to bfloat16 (tests/kernels/test_gguf_linear.py states the
 // tolerance). Larger steps dequantize a panel at a time into bfloat16, rounded
 // as loading dequantized weights did, and multiply it for every row.
-// Elsewhere (a float32 model, a CPU without AVX512-BF16) each block is
-// dequantized into a float32 tile, rounded to the model's dtype as loading
-// dequantized weights did, and multiplied in float32: the dequantized model's
-// products, summed in another order.
+//
+// Elsewhere on a CPU with AVX2 (float32 and float16 activations, and
+// bfloat16 ones without AVX512-BF16), steps of up to Q8_ROWS rows do what
+// llama.cpp does there: each row of x is rounded to Q8 blocks (per 32
+// values d = max|x| / 127, q = round(x / d), s = d * sum(q)), and per block
+//   y += d_w * d * sum(v q) + c * s
+// with v the blocks' integers as stored (nibbles 0..15, or int8), c = m
+// (Q4_1), -8 d_w (Q4_0), 0 (Q8_0): the dequantized weights times the rounded
+// x. VPMADDUBSW multiplies the unsigned weights (for Q8_0, |v| against q with
+// v's sign) by the k-pair of q broadcast to every lane pair, which suits the
+// pair layout above as it is: one 16-bit sum per feature and k-pair, added up
+// in int16 while that cannot overflow and widened to int32 per block (AVX-VNNI's
+// VPDPBUSD would want 4 k of a feature in adjacent bytes, so it is not used). Larger
+// steps dequantize each block into a float32 tile in that same lane order
+// (each feature's even and odd k in adjacent lanes), rounded to the model's
+// dtype as loading dequantized weights did, and multiply it for every row
+// with FMAs into two sums per feature, added when the panel is stored: the
+// dequantized model's products, summed in another order.
+// Without AVX2, each block is dequantized into a float32 tile, rounded the
+// same way, and multiplied in plain loops.
 //
 // Registered in torch.ops.fleet_cpu.
 #include <ATen/Parallel.h>
@@ -57,6 +73,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include "simd_convert.h"
 #define FLEET_GGUF_AVX512_BF16 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FLEET_GGUF_AVX2 1
 #endif
 
 namespace {
@@ -178,7 +198,9 @@ void check_packed(const at::Tensor& packed, int64_t type, int64_t K, int64_t N) 
               packed.size(0), " panels of ", PANEL);
 }
 
-// ---- dequantized tiles (float32 models, CPUs without AVX512-BF16) -------------------
+// ---- portable: dequantized tiles (CPUs without AVX2) ---------------------------------
+
+#if !FLEET_GGUF_AVX2
 
 // tile[k][j] = weight (feature j, k) of a panel's block, rounded to Model.
 template <int64_t TYPE, typename Model>
@@ -216,6 +238,301 @@ void tiled_rows(const float* x, const uint8_t* packed, int64_t M, int64_t K, int
     }
   });
 }
+#endif
+
+// ---- AVX2: Q8 activations against the blocks' integers, and float32 tiles --------------
+
+#if FLEET_GGUF_AVX2
+// Steps of up to this many rows (decode) quantize x to Q8 and multiply
+// integers, llama.cpp's AVX2 scheme; larger ones (prefill) dequantize each
+// block into float32 once and multiply it exactly for every row. Measured
+// with `FLEET_CPU_ISA=avx2 python -P scripts/bench_gguf_linear.py --dtype
+// float32 --shapes up down` on a Sapphire Rapids core held to AVX2: the Q8
+// path is 2.7x faster at 1 row, 1.2-1.4x at 32 and still 1.2x at 128, so the
+// bound is where steps stop being decode, as INTEGER_ROWS's, not speed.
+constexpr int64_t Q8_ROWS = 32;
+constexpr int Q8_TILE = 4;     // rows of x per pass of the integer path
+constexpr int FLOAT_TILE = 3;  // rows of x per pass of the float32 path: 12 accumulators
+
+// x's rows as Q8 blocks: q[m * K + k], and per block of 32 (index m * blocks + b)
+// the scale d = max|x| / 127 (float32, where a GGUF file rounds it to fp16) and
+// s = d * sum(q), the sum of the rounded x that Q4_1's m and Q4_0's -8 multiply.
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+inline float horizontal_sum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+}
+
+inline float horizontal_max(__m256 v) {
+  __m128 max = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  max = _mm_max_ps(max, _mm_movehl_ps(max, max));
+  return _mm_cvtss_f32(_mm_max_ss(max, _mm_movehdup_ps(max)));
+}
+
+// One block of 32 float32s as Q8: q = x * (127 / max|x|) rounded to nearest
+// even (|q| <= 127), d and s as Q8Rows keeps them.
+inline void quantize_block(const float* x, int8_t* q, float& d, float& s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], max = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    max = _mm256_max_ps(max, _mm256_andnot_ps(sign, v[i]));
+  }
+  const float amax = horizontal_max(max);
+  const __m256 scale = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i ints[4], sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));  // the default rounding: to nearest even
+    sum = _mm256_add_epi32(sum, ints[i]);
+  }
+  // The packs interleave 4-value groups of the four vectors; the permute puts them back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
+  _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  d = amax / 127.f;
+  s = d * horizontal_sum(_mm256_cvtepi32_ps(sum));
+}
+
+Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = K / BLOCK;
+  Q8Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * blocks)};
+  for (int64_t i = 0; i < M * blocks; ++i)
+    quantize_block(x + i * BLOCK, rows.q.data() + i * BLOCK, rows.d[i], rows.s[i]);
+  return rows;
+}
+
+// 16 int16 per-feature sums a and b (features 0-15, as maddubs leaves them)
+// added into int32 lanes: the unpacks pair a and b feature by feature within
+// each 128-bit half, so lanes hold features 0-3, 8-11 (low) and 4-7, 12-15
+// (high); in_feature_order undoes that once per block.
+inline void add_widened(__m256i a, __m256i b, __m256i& low, __m256i& high) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  low = _mm256_add_epi32(low, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), ones));
+  high = _mm256_add_epi32(high, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), ones));
+}
+
+inline void in_feature_order(__m256i& low, __m256i& high) {
+  const __m256i first = _mm256_permute2x128_si256(low, high, 0x20), second = _mm256_permute2x128_si256(low, high, 0x31);
+  low = first;
+  high = second;
+}
+
+// x[m]'s k-pair at k as 16 copies of its two int8s: maddubs then multiplies
+// each feature's pair of weights (lanes 2i, 2i + 1) by it and adds the two.
+inline __m256i pair_of(const int8_t* x, int64_t k) {
+  int16_t pair;
+  std::memcpy(&pair, x + k, sizeof(pair));
+  return _mm256_set1_epi16(pair);
+}
+
+// int16 sums over k-pairs kp0 .. kp0 + 7 of the nibbles of features
+// 16h .. 16h + 15 (the low nibbles for h = 0) times each row of q.
+template <int MR>
+inline void nibble_dots(const uint8_t* values, int h, int64_t kp0, const int8_t* q, int64_t K, __m256i (&part)[MR]) {
+  for (int m = 0; m < MR; ++m) part[m] = _mm256_setzero_si256();
+  for (int64_t kp = kp0; kp < kp0 + PAIRS / 2; ++kp) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i*)(values + kp * 32));
+    const __m256i w = _mm256_and_si256(h == 0 ? bytes : _mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0xF));
+    for (int m = 0; m < MR; ++m)
+      part[m] = _mm256_add_epi16(part[m], _mm256_maddubs_epi16(w, pair_of(q + m * K, 2 * kp)));
+  }
+}
+
+// Row m's integer dot products over the block with features 16h .. 16h + 15
+// (low: 16h + 0-7, high: 16h + 8-15); rows of q have stride K and start at
+// the block.
+template <int64_t TYPE, int MR>
+inline void half_dots(const uint8_t* values, int h, const int8_t* q, int64_t K, __m256i (&low)[MR],
+                      __m256i (&high)[MR]) {
+  for (int m = 0; m < MR; ++m) low[m] = high[m] = _mm256_setzero_si256();
+  if constexpr (TYPE == Q8_0) {
+    // A product of int8s takes up to 15 bits: every k-pair's sum is widened.
+    for (int64_t kp = 0; kp < PAIRS; kp += 2) {
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)(values + kp * 64 + 32 * h));
+      const __m256i w1 = _mm256_loadu_si256((const __m256i*)(values + (kp + 1) * 64 + 32 * h));
+      const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
+      for (int m = 0; m < MR; ++m) {  // maddubs takes one unsigned operand: |w| times x with w's sign
+        const __m256i p0 = _mm256_maddubs_epi16(abs0, _mm256_sign_epi8(pair_of(q + m * K, 2 * kp), w0));
+        const __m256i p1 = _mm256_maddubs_epi16(abs1, _mm256_sign_epi8(pair_of(q + m * K, 2 * kp + 2), w1));
+        add_widened(p0, p1, low[m], high[m]);
+      }
+    }
+  } else {
+    // A nibble times an int8 takes up to 12 bits: 8 k-pairs add up in int16
+    // (8 * 2 * 15 * 127 < 2^15), the two halves of the block then widen.
+    __m256i first[MR], second[MR];
+    nibble_dots<MR>(values, h, 0, q, K, first);
+    nibble_dots<MR>(values, h, PAIRS / 2, q, K, second);
+    for (int m = 0; m < MR; ++m) add_widened(first[m], second[m], low[m], high[m]);
+  }
+  for (int m = 0; m < MR; ++m) in_feature_order(low[m], high[m]);
+}
+
+// acc[m] (32 floats per row) += d * dx * dots + c * s for MR rows, with
+// c = m (Q4_1), -8 d (Q4_0), none for Q8_0: the dequantized weights times
+// the rounded x, up to float32 rounding.
+template <int64_t TYPE, int MR>
+void integer_tile(const uint8_t* panel_block, const Q8Rows& x, int64_t m0, int64_t b, int64_t K, float* acc) {
+  const int64_t blocks = K / BLOCK;
+  const int8_t* q = x.q.data() + m0 * K + b * BLOCK;
+  __m256i dots[4][MR];  // [features 8v .. 8v + 7][row]
+  half_dots<TYPE, MR>(panel_block + scale_bytes(TYPE), 0, q, K, dots[0], dots[1]);
+  half_dots<TYPE, MR>(panel_block + scale_bytes(TYPE), 1, q, K, dots[2], dots[3]);
+  for (int v = 0; v < 4; ++v) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(panel_block + 16 * v)));
+    const __m256 c = TYPE == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(panel_block + 2 * PANEL + 16 * v)))
+                                  : _mm256_mul_ps(_mm256_set1_ps(-8.f), d);  // unused for Q8_0
+    for (int m = 0; m < MR; ++m) {
+      const int64_t i = (m0 + m) * blocks + b;
+      float* lanes = acc + m * PANEL + 8 * v;
+      __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[v][m]), _mm256_mul_ps(d, _mm256_set1_ps(x.d[i])),
+                                   _mm256_loadu_ps(lanes));
+      if constexpr (TYPE != Q8_0) sum = _mm256_fmadd_ps(c, _mm256_set1_ps(x.s[i]), sum);
+      _mm256_storeu_ps(lanes, sum);
+    }
+  }
+}
+
+// y[m][n0 + j] = sums[m][j] + bias for a panel's `valid` features.
+template <typename Out>
+void store_panel(const float* sums, int64_t M, const Out* bias, Out* y, int64_t N, int64_t n0, int64_t valid) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < valid; ++j)
+      y[m * N + n0 + j] = Out(sums[m * PANEL + j] + (bias ? float(bias[n0 + j]) : 0.f));
+}
+
+template <int64_t TYPE>
+using IntegerTile = void (*)(const uint8_t*, const Q8Rows&, int64_t, int64_t, int64_t, float*);
+template <int64_t TYPE>
+constexpr IntegerTile<TYPE> INTEGER_TILE_FOR[Q8_TILE + 1] = {nullptr, integer_tile<TYPE, 1>, integer_tile<TYPE, 2>,
+                                                             integer_tile<TYPE, 3>, integer_tile<TYPE, 4>};
+
+// y [M, N] = x W^T + bias with x rounded to Q8: each task takes panels, and
+// each block of a panel serves every row of x while it is in L1.
+template <int64_t TYPE, typename Out>
+void q8_rows(const float* x, const uint8_t* packed, int64_t M, int64_t K, int64_t N, const Out* bias, Out* y) {
+  const int64_t blocks = K / BLOCK, panels = (N + PANEL - 1) / PANEL;
+  const Q8Rows rows = quantize_rows(x, M, K);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * PANEL);
+    for (int64_t p = begin; p < end; ++p) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* panel_block = packed + (p * blocks + b) * panel_block_bytes(TYPE);
+        for (int64_t m0 = 0; m0 < M; m0 += Q8_TILE) {
+          const int64_t tile = std::min<int64_t>(Q8_TILE, M - m0);
+          INTEGER_TILE_FOR<TYPE>[tile](panel_block, rows, m0, b, K, acc.data() + m0 * PANEL);
+        }
+      }
+      store_panel(acc.data(), M, bias, y, N, p * PANEL, std::min(PANEL, N - p * PANEL));
+    }
+  });
+}
+
+// The float32 of v rounded to Model (round to nearest even for bfloat16;
+// weights are finite).
+template <typename Model>
+inline __m256 round_to_model(__m256 v) {
+  if constexpr (std::is_same_v<Model, at::BFloat16>) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(int32_t(0xFFFF0000))));
+  } else if constexpr (std::is_same_v<Model, at::Half>) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  return v;
+}
+
+// tile[kp * 64 + 32 h + lane]: a panel's block dequantized in the packed
+// order (lane 2i + e holds feature 16h + i at k = 2 kp + e), rounded to Model
+// as loading dequantized weights did.
+template <int64_t TYPE, typename Model>
+void dequantize_pairs(const uint8_t* panel_block, float* tile) {
+  const uint8_t* values = panel_block + scale_bytes(TYPE);
+  const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);  // lanes 2i, 2i + 1 <- feature i
+  __m256 d[8], m[8];  // per 8 lanes: features 4t .. 4t + 3, twice each
+  for (int t = 0; t < 8; ++t) {
+    const auto four = [&](int64_t offset) {  // 4 fp16 at panel_block + offset, each in two lanes
+      return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)(panel_block + offset))), twice);
+    };
+    d[t] = four(8 * t);
+    // (q - 8) d = q d - 8 d, both exact; q d + m rounds once, as gguf-py's.
+    m[t] = TYPE == Q4_1 ? four(2 * PANEL + 8 * t)
+           : TYPE == Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), d[t])
+                          : _mm256_setzero_ps();
+  }
+  for (int64_t kp = 0; kp < PAIRS; ++kp) {
+    for (int h = 0; h < 2; ++h) {
+      __m256i bytes;
+      if constexpr (TYPE == Q8_0) {
+        bytes = _mm256_loadu_si256((const __m256i*)(values + kp * 64 + 32 * h));
+      } else {
+        const __m256i line = _mm256_loadu_si256((const __m256i*)(values + kp * 32));
+        bytes = _mm256_and_si256(h == 0 ? line : _mm256_srli_epi16(line, 4), _mm256_set1_epi8(0xF));
+      }
+      const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
+      for (int g = 0; g < 4; ++g) {  // lanes 8g .. 8g + 7
+        const __m128i eight = g % 2 == 0 ? halves[g / 2] : _mm_srli_si128(halves[g / 2], 8);
+        const __m256i ints = TYPE == Q8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+        const int t = 4 * h + g;
+        _mm256_storeu_ps(tile + kp * 64 + 8 * t,
+                         round_to_model<Model>(_mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), d[t], m[t])));
+      }
+    }
+  }
+}
+
+// acc[m][lane] += tile lane * x[m] at the lane's k, for MR rows (stride K,
+// starting at the block) and the 32 lanes of features 16h .. 16h + 15: each
+// feature's even and odd k sum apart until the panel is stored.
+template <int MR>
+void float_tile(const float* tile, const float* x, int64_t K, float* acc, int h) {
+  __m256 sums[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 4; ++v) sums[m][v] = _mm256_loadu_ps(acc + m * 2 * PANEL + 32 * h + 8 * v);
+  for (int64_t kp = 0; kp < PAIRS; ++kp) {
+    __m256 w[4];
+    for (int v = 0; v < 4; ++v) w[v] = _mm256_loadu_ps(tile + kp * 64 + 32 * h + 8 * v);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(x + m * K + 2 * kp)));
+      for (int v = 0; v < 4; ++v) sums[m][v] = _mm256_fmadd_ps(w[v], pair, sums[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + m * 2 * PANEL + 32 * h + 8 * v, sums[m][v]);
+}
+
+using FloatTile = void (*)(const float*, const float*, int64_t, float*, int);
+constexpr FloatTile FLOAT_TILE_FOR[FLOAT_TILE + 1] = {nullptr, float_tile<1>, float_tile<2>, float_tile<3>};
+
+// y [M, N] = x W^T + bias exactly, for more rows: each block of a panel is
+// dequantized once into float32 and multiplied for every row.
+template <int64_t TYPE, typename Model, typename Out>
+void float_rows(const float* x, const uint8_t* packed, int64_t M, int64_t K, int64_t N, const Out* bias, Out* y) {
+  const int64_t blocks = K / BLOCK, panels = (N + PANEL - 1) / PANEL;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * 2 * PANEL), sums(M * PANEL);  // acc: two lanes (even, odd k) per feature
+    alignas(32) float tile[PAIRS * 2 * PANEL];
+    for (int64_t p = begin; p < end; ++p) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < blocks; ++b) {
+        dequantize_pairs<TYPE, Model>(packed + (p * blocks + b) * panel_block_bytes(TYPE), tile);
+        for (int64_t m0 = 0; m0 < M; m0 += FLOAT_TILE)
+          for (int h = 0; h < 2; ++h)
+            FLOAT_TILE_FOR[std::min<int64_t>(FLOAT_TILE, M - m0)](tile, x + m0 * K + b * BLOCK, K,
+                                                                  acc.data() + m0 * 2 * PANEL, h);
+      }
+      for (int64_t i = 0; i < M * PANEL; ++i) sums[i] = acc[2 * i] + acc[2 * i + 1];
+      store_panel(sums.data(), M, bias, y, N, p * PANEL, std::min(PANEL, N - p * PANEL));
+    }
+  });
+}
+#endif
 
 // ---- straight from the blocks (bfloat16 models on AVX512-BF16) ----------------------
 
@@ -456,7 +773,15 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& packed, int64_t N, co
   }
 #endif
   const at::Tensor x_float = x.to(at::kFloat).contiguous();
+#if FLEET_GGUF_AVX2
+  if (M <= Q8_ROWS) {
+    q8_rows<TYPE>(x_float.data_ptr<float>(), w, M, K, N, b, y.data_ptr<Scalar>());
+  } else {
+    float_rows<TYPE, Scalar>(x_float.data_ptr<float>(), w, M, K, N, b, y.data_ptr<Scalar>());
+  }
+#else
   tiled_rows<TYPE, Scalar>(x_float.data_ptr<float>(), w, M, K, N, b, y.data_ptr<Scalar>());
+#endif
   return y;
 }
 

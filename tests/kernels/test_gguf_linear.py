@@ -4,11 +4,15 @@ GGUF files with: packing and looking rows up give its dequantized values bit
 for bit, and the multiply gives its dequantized weights' products.
 
 Tolerances: a float32 model multiplies the exact float32 weights, so only
-the order of the float32 sums differs (rtol 1e-5). A bfloat16 model's
+the order of the float32 sums differs (rtol 1e-5), except where the CPU class
+has AVX2 and a step has at most Q8_ROWS rows: there x is rounded to Q8 blocks
+(per 32 values, d = max|x| / 127 and q = round(x / d)) and multiplied as
+integers, as llama.cpp does, which the float32 tests bound. A bfloat16 model's
 activations are bfloat16 and so is its output: up to 32 rows the kernel
 multiplies the blocks' integers exactly and scales the sums, skipping the
 rounding of each weight to bfloat16; above, it dequantizes into bfloat16
-as loading did. Either way the result is within 2 % of the row's largest
+as loading did (with AVX2 but not AVX512-BF16, bfloat16 x takes the
+float32 paths). Either way the result is within 2 % of the row's largest
 output of the float32 product of the same bfloat16 activations."""
 from __future__ import annotations
 
@@ -17,9 +21,17 @@ import numpy as np
 import pytest
 import torch
 
+from fleet.config.cpu_class import CpuClass, cpu_class
 from fleet.kernels.quantized import GGUFWeight
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+Q8_ROWS = 32
+"""Most rows the AVX2 kernel rounds to Q8 (csrc/gguf_linear_cpu.cpp's Q8_ROWS)."""
+
+
+def rounds_to_q8(rows: int) -> bool:
+    """Whether a step of `rows` float32 rows takes the kernel's Q8 path here."""
+    return cpu_class() >= CpuClass.avx2 and rows <= Q8_ROWS
 
 
 def quantized(kind: str, rows: int, columns: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,16 +57,64 @@ def test_rows_of_packed_blocks_are_gguf_py_dequantization(ops, kind, rows, colum
 
 
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 32, 33, 70])
 @pytest.mark.parametrize("out_features,in_features", [(45, 64), (96, 576)])
 def test_float32_multiply_is_the_dequantized_weights_product(ops, kind, rows, out_features, in_features):
+    """Exact (rtol 1e-5) where the kernel multiplies float32 weights. Where it
+    rounds x to Q8 first, each value moves by up to d / 2 = max|x| / 254 of
+    its block: for random x and weights the outputs move by a few 1e-3 of the
+    row's largest |output| (as llama.cpp's do), so 1.5 % of it bounds them
+    and a wrong scale or offset, which moves them by far more, fails."""
     blocks, weight = quantized(kind, out_features, in_features)
     gguf_type = int(gguf.GGMLQuantizationType[kind])
     packed = ops.gguf_pack(blocks, gguf_type, in_features)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(out_features)
     out = ops.gguf_linear(x, packed, gguf_type, out_features, bias)
-    torch.testing.assert_close(out, x @ weight.T + bias, rtol=1e-5, atol=1e-4)
+    if not rounds_to_q8(rows):
+        torch.testing.assert_close(out, x @ weight.T + bias, rtol=1e-5, atol=1e-4)
+        return
+    expected = x.double() @ weight.double().T + bias.double()
+    error = (out.double() - expected).abs().max(dim=1).values
+    assert (error <= 0.015 * expected.abs().max(dim=1).values).all(), error
+
+
+def gguf_py_q8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernel's Q8 path rounds it: gguf-py's Q8_0 integers,
+    times the block's max|x| / 127 in float32 (the file format would round
+    that scale to float16; the kernel keeps it)."""
+    rows, columns = x.shape
+    blocks = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(rows, columns // 32, 34)
+    q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:])).view(torch.int8).double()
+    scale = x.reshape(rows, columns // 32, 32).abs().amax(dim=-1, keepdim=True) / 127
+    return (q * scale.double()).reshape(rows, columns)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("rows", [1, 4, 7, 13, Q8_ROWS])
+def test_q8_path_is_the_product_of_q8_rounded_activations(ops, kind, rows):
+    """The Q8 path gives the dequantized weights times x rounded to Q8 blocks
+    by gguf-py, up to float32 sums: within 2e-5 of the row's largest |output|
+    (they differ by ~3e-7). One value rounded the other way moves an output
+    by ~2e-4 of it, so a wrong rounding, scale or offset fails. (gguf-py
+    divides by d where the kernel multiplies by 127 / max|x|: the two could
+    round a tie apart; these inputs have none. And the test cannot ask the
+    Q8 path to be as close to the true product as bfloat16 activations:
+    Q8 keeps 7 bits against its block's largest value, bfloat16 8 against
+    each value's own, so its error is 2-3x bfloat16's.)"""
+    if not rounds_to_q8(rows):
+        pytest.skip(f"the {cpu_class().name} class multiplies float32 x exactly")
+    blocks, weight = quantized(kind, 96, 1536)
+    gguf_type = int(gguf.GGMLQuantizationType[kind])
+    packed = ops.gguf_pack(blocks, gguf_type, 1536)
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(3))
+    x[0, :32] = 0  # a zero block: scale 0, no division by it
+    out = ops.gguf_linear(x, packed, gguf_type, 96, None)
+    expected = gguf_py_q8(x) @ weight.double().T
+    error = (out.double() - expected).abs().max(dim=1).values
+    assert (error <= 2e-5 * expected.abs().max(dim=1).values).all(), error
+    true_error = (out.double() - x.double() @ weight.double().T).abs().max(dim=1).values
+    assert (true_error <= 0.015 * expected.abs().max(dim=1).values).all(), true_error
 
 
 @pytest.mark.parametrize("kind", TYPES)
