@@ -1,0 +1,339 @@
+// Linear layers and embeddings whose weights stay in a GGUF file's K-quant
+// super-blocks (kernels/quantized.py), on every CPU class: y = x W^T (+ b)
+// from the blocks, and embedding rows looked up in them.
+//
+// A weight stays as the file rows it: one row of super-blocks of 256 weights
+// per output feature, each as ggml lays it out (gguf-py's quants.py reads the
+// same bytes):
+//   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of packed 6-bit scales and
+//     mins (8 sub-blocks of 32), 128 bytes of nibbles;
+//     w = d sc q - dmin m
+//   Q5_K (176 bytes): as Q4_K, with 32 bytes of fifth bits before the nibbles
+//   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
+//     int8 scales (16 sub-blocks of 16), fp16 d;  w = d sc (q - 32)
+// d sc (11 by at most 8 significant bits) and its product with q (at most
+// 6) are exact in float32, so the weights are gguf-py's whatever the order
+// of the products: only Q4_K/Q5_K's subtraction of dmin m rounds, once.
+//
+// The multiply takes TILE output features at a time: per super-block, their
+// weights are dequantized into a float32 tile [TILE][256], rounded to x's
+// dtype as loading dequantized weights did, and multiplied against ROWS rows
+// of x at a time, accumulating in float32: the dequantized model's products,
+// summed in another order (LANES partial sums per row and feature, one
+// vector register wide, added up at the end). The code is plain C++ with
+// GCC's vector extension for those registers, so every CPU class compiles
+// the same code for its own -march: 4 lanes on x86-64 baseline (SSE2), 8
+// on AVX2, 16 on AVX-512.
+//
+// Registered in torch.ops.fleet_cpu.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t SUPER = 256;  // weights per super-block, every type here
+constexpr int64_t TILE = 16;    // output features per tile
+constexpr int64_t ROWS = 4;     // rows of x per pass over a tile: their sums stay in registers
+// Partial sums per row and feature: one vector register of the class's
+// instruction set (x86-64 baseline has SSE2's 4 lanes).
+#if defined(__AVX512F__)
+constexpr int64_t LANES = 16;
+#elif defined(__AVX__)
+constexpr int64_t LANES = 8;
+#else
+constexpr int64_t LANES = 4;
+#endif
+
+enum KQuantType : int64_t { Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's GGMLQuantizationType values
+
+void check_type(int64_t type) {
+  TORCH_CHECK(type == Q4_K || type == Q5_K || type == Q6_K, "GGUF quantization type ", type,
+              " has no K-quant CPU kernel (Q4_K=12, Q5_K=13, Q6_K=14 do)");
+}
+
+constexpr int64_t block_bytes(int64_t type) { return type == Q4_K ? 144 : type == Q5_K ? 176 : 210; }
+
+template <typename F>
+void with_type(int64_t type, F&& f) {
+  check_type(type);
+  switch (type) {
+    case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
+    case Q5_K: f(std::integral_constant<int64_t, Q5_K>{}); break;
+    default: f(std::integral_constant<int64_t, Q6_K>{}); break;
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// The 6-bit scale and min of sub-block j (0..7) of Q4_K/Q5_K's 12 packed
+// bytes: bytes 0-3 hold the scales of 0-3 (and the top bits of 4-7's), 4-7
+// their mins (likewise), 8-11 the low 4 bits of 4-7's scale (low nibble)
+// and min (high nibble).
+inline void scale_and_min(const uint8_t* packed, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = packed[j] & 63;
+    min = packed[j + 4] & 63;
+  } else {
+    scale = (packed[j + 4] & 0xF) | ((packed[j - 4] >> 6) << 4);
+    min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
+  }
+}
+
+// Sub-block pairs of Q4_K/Q5_K: 32 bytes of nibbles hold sub-block 2c (low)
+// and 2c + 1 (high); Q5_K's bit j of fifth-bit byte l is weight l of sub-block j.
+template <int64_t TYPE>
+void dequantize_4_or_5_bits(const uint8_t* block, float* out) {
+  const float d = half_at(block), dmin = half_at(block + 2);
+  const uint8_t* packed = block + 4;
+  const uint8_t* high_bits = block + 16;
+  const uint8_t* nibbles = block + (TYPE == Q5_K ? 48 : 16);
+  for (int j = 0; j < 8; ++j) {
+    int scale, min;
+    scale_and_min(packed, j, scale, min);
+    const float step = d * float(scale), offset = dmin * float(min);  // exact products
+    const uint8_t* q = nibbles + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    float* w = out + 32 * j;
+    for (int l = 0; l < 32; ++l) {
+      int v = (q[l] >> shift) & 0xF;
+      if constexpr (TYPE == Q5_K) v |= ((high_bits[l] >> j) & 1) << 4;
+      w[l] = step * float(v) - offset;  // step * v is exact: one rounding, as gguf-py's
+    }
+  }
+}
+
+// Q6_K: each half (128 weights) has 64 bytes of low nibbles and 32 of high
+// 2-bit pairs; its group g of 32 weights takes nibble g / 2 of bytes
+// 32 (g % 2) + l and bits 2g of pair byte l; a scale per 16 weights.
+void dequantize_6_bits(const uint8_t* block, float* out) {
+  const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+  const float d = half_at(block + 208);
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* high = block + 128 + 32 * half;
+    for (int g = 0; g < 4; ++g) {
+      const uint8_t* low = block + 64 * half + 32 * (g % 2);
+      const int low_shift = 4 * (g / 2), high_shift = 2 * g;
+      int8_t q[32];
+      for (int l = 0; l < 32; ++l) {
+        q[l] = int8_t((((low[l] >> low_shift) & 0xF) | (((high[l] >> high_shift) & 3) << 4)) - 32);
+      }
+      float* w = out + 128 * half + 32 * g;
+      for (int sixteen = 0; sixteen < 2; ++sixteen) {
+        const float step = d * float(scales[8 * half + 2 * g + sixteen]);  // exact, and so is step * q
+        for (int l = 16 * sixteen; l < 16 * sixteen + 16; ++l) w[l] = step * float(q[l]);
+      }
+    }
+  }
+}
+
+// The 256 float32 weights of one super-block: gguf-py's values, bit for bit.
+template <int64_t TYPE>
+void dequantize_block(const uint8_t* block, float* out) {
+  if constexpr (TYPE == Q6_K) {
+    dequantize_6_bits(block, out);
+  } else {
+    dequantize_4_or_5_bits<TYPE>(block, out);
+  }
+}
+
+// ---- the multiply ---------------------------------------------------------------------
+
+using Tile = float[TILE][SUPER];
+
+// tile[j] = the weights of super-block b of feature j < `features` (rows of
+// `row_bytes`), rounded to Model.
+template <int64_t TYPE, typename Model>
+void dequantize_tile(const uint8_t* rows, int64_t row_bytes, int64_t b, int64_t features, Tile& tile) {
+  for (int64_t j = 0; j < features; ++j) {
+    dequantize_block<TYPE>(rows + j * row_bytes + b * block_bytes(TYPE), tile[j]);
+    if constexpr (!std::is_same_v<Model, float>) {
+      for (int64_t k = 0; k < SUPER; ++k) tile[j][k] = float(Model(tile[j][k]));
+    }
+  }
+}
+
+// LANES floats: one vector register of the class (GCC's and Clang's vector
+// extension, lowered to whatever instructions -march allows).
+using Lanes = float __attribute__((vector_size(LANES * sizeof(float))));
+
+inline Lanes load_lanes(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// acc[r][f] (LANES partial sums, lane l summing the k = l mod LANES) +=
+// w[f][k] x[r][k] for R rows of x (stride K) and F features (stride SUPER;
+// acc's stride LANES per feature, TILE * LANES per row). The R * F sums stay
+// in registers; each load of w serves R rows and each of x F features.
+template <int R, int F>
+void multiply_features(const float* w, const float* x, int64_t K, float* acc) {
+  Lanes sums[R][F];
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) sums[r][f] = load_lanes(acc + (r * TILE + f) * LANES);
+  for (int64_t k = 0; k < SUPER; k += LANES) {
+    Lanes weights[F];
+    for (int f = 0; f < F; ++f) weights[f] = load_lanes(w + f * SUPER + k);
+    for (int r = 0; r < R; ++r) {
+      const Lanes xs = load_lanes(x + r * K + k);
+      for (int f = 0; f < F; ++f) sums[r][f] += weights[f] * xs;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) std::memcpy(acc + (r * TILE + f) * LANES, &sums[r][f], sizeof(Lanes));
+}
+
+// The tile's features < `features` times R rows, two features at a time (so
+// that each load of x serves two).
+template <int R>
+void multiply_tile(const Tile& tile, int64_t features, const float* x, int64_t K, float* acc) {
+  int64_t j = 0;
+  for (; j + 2 <= features; j += 2) multiply_features<R, 2>(tile[j], x, K, acc + j * LANES);
+  if (j < features) multiply_features<R, 1>(tile[j], x, K, acc + j * LANES);
+}
+
+using MultiplyTile = void (*)(const Tile&, int64_t, const float*, int64_t, float*);
+constexpr MultiplyTile MULTIPLY_TILE[ROWS + 1] = {nullptr, multiply_tile<1>, multiply_tile<2>, multiply_tile<3>,
+                                                  multiply_tile<4>};
+
+// y [M, N] = x W^T (+ bias) for x float32 [M, K], W the file's rows of blocks.
+template <int64_t TYPE, typename Model>
+void multiply_rows(const float* x, const uint8_t* rows, int64_t M, int64_t K, int64_t N, const Model* bias,
+                   Model* y) {
+  const int64_t blocks = K / SUPER, row_bytes = blocks * block_bytes(TYPE);
+  const int64_t tiles = (N + TILE - 1) / TILE;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * TILE * LANES);  // [M][TILE][LANES]
+    alignas(64) Tile tile;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * TILE, features = std::min(TILE, N - n0);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0; b < blocks; ++b) {
+        dequantize_tile<TYPE, Model>(rows + n0 * row_bytes, row_bytes, b, features, tile);
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+          MULTIPLY_TILE[std::min(ROWS, M - m0)](tile, features, x + m0 * K + b * SUPER, K,
+                                                acc.data() + m0 * TILE * LANES);
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t j = 0; j < features; ++j) {
+          const float* lanes = acc.data() + (m * TILE + j) * LANES;
+          float sum = bias ? float(bias[n0 + j]) : 0.f;
+          for (int64_t l = 0; l < LANES; ++l) sum += lanes[l];
+          y[m * N + n0 + j] = Model(sum);
+        }
+      }
+    }
+  });
+}
+
+void check_blocks(const at::Tensor& blocks, int64_t type, int64_t in_features) {
+  check_type(type);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks: contiguous [rows, row bytes] uint8, a GGUF tensor's super-blocks");
+  TORCH_CHECK(in_features % SUPER == 0 && blocks.size(1) == in_features / SUPER * block_bytes(type), "rows of ",
+              blocks.size(1), " bytes do not hold ", in_features, " input features of GGUF type ", type, " (",
+              block_bytes(type), " bytes per ", SUPER, " weights)");
+}
+
+template <typename Model>
+at::Tensor multiply(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                    const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const at::Tensor x_float = x.to(at::kFloat).contiguous();
+  const Model* b = bias.has_value() && bias->defined() ? bias->data_ptr<Model>() : nullptr;
+  with_type(type, [&](auto kind) {
+    multiply_rows<decltype(kind)::value, Model>(x_float.data_ptr<float>(), blocks.data_ptr<uint8_t>(), M, K, N, b,
+                                                y.data_ptr<Model>());
+  });
+  return y;
+}
+
+at::Tensor gguf_kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t out_features,
+                              const std::optional<at::Tensor>& bias) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "x: contiguous [M, K] float32, bfloat16 or float16");
+  check_blocks(blocks, type, x.size(1));
+  TORCH_CHECK(blocks.size(0) == out_features, "blocks hold ", blocks.size(0), " rows, not ", out_features,
+              " output features");
+  TORCH_CHECK(!(bias.has_value() && bias->defined()) ||
+                  (bias->scalar_type() == dtype && bias->numel() == out_features && bias->is_contiguous()),
+              "bias: contiguous [N] in x's dtype");
+  switch (dtype) {
+    case at::kFloat: return multiply<float>(x, blocks, type, bias);
+    case at::kBFloat16: return multiply<at::BFloat16>(x, blocks, type, bias);
+    default: return multiply<at::Half>(x, blocks, type, bias);
+  }
+}
+
+// ---- rows of a table (embeddings) -----------------------------------------------------
+
+template <int64_t TYPE, typename Out>
+void gather_rows(const uint8_t* rows, int64_t K, const int64_t* ids, int64_t T, Out* out) {
+  const int64_t blocks = K / SUPER, row_bytes = blocks * block_bytes(TYPE);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    float weights[SUPER];
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        dequantize_block<TYPE>(rows + ids[t] * row_bytes + b * block_bytes(TYPE), weights);
+        for (int64_t k = 0; k < SUPER; ++k) out[t * K + b * SUPER + k] = Out(weights[k]);
+      }
+    }
+  });
+}
+
+at::Tensor gguf_kquant_rows(const at::Tensor& blocks, int64_t type, int64_t in_features, const at::Tensor& ids,
+                            at::ScalarType dtype) {
+  const int64_t K = in_features;
+  check_blocks(blocks, type, K);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: contiguous int64 [T]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "GGUF rows dequantize into float32, bfloat16 or float16, not ", dtype);
+  const int64_t T = ids.size(0), rows = blocks.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < rows, "row ", id[t], " outside the table of ", rows);
+  }
+  at::Tensor out = at::empty({T, K}, blocks.options().dtype(dtype));
+  with_type(type, [&](auto kind) {
+    constexpr int64_t TYPE = decltype(kind)::value;
+    const uint8_t* data = blocks.data_ptr<uint8_t>();
+    switch (dtype) {
+      case at::kFloat: gather_rows<TYPE>(data, K, id, T, out.data_ptr<float>()); break;
+      case at::kBFloat16: gather_rows<TYPE>(data, K, id, T, out.data_ptr<at::BFloat16>()); break;
+      default: gather_rows<TYPE>(data, K, id, T, out.data_ptr<at::Half>()); break;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fleet_cpu, m) {
+  m.def("gguf_kquant_linear(Tensor x, Tensor blocks, int quant_type, int out_features, Tensor? bias) -> Tensor");
+  m.def("gguf_kquant_rows(Tensor blocks, int quant_type, int in_features, Tensor ids, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fleet_cpu, CPU, m) {
+  m.impl("gguf_kquant_linear", &gguf_kquant_linear);
+  m.impl("gguf_kquant_rows", &gguf_kquant_rows);
+}
