@@ -10,7 +10,7 @@ bfloat16 emulated), `avx512` (F/BW/VL/DQ, bfloat16 still emulated),
 AVX2 user runs: fleet's C++ kernels are compiled for the lower class
 (`compiler_flags`), its Python dispatch (`--dtype auto`, the bfloat16 decode
 copy, oneDNN prepacking, GGUF blocks) asks `cpu_class()`, and torch and
-oneDNN are held to the class through their own environment variables
+oneDNN (and MKL) are held to the class through their own environment variables
 (`torch_environment`), which `fleet/__init__.py` sets before torch loads in
 every fleet process.
 """
@@ -67,6 +67,10 @@ _ONEDNN_ISA = {
 }
 """ONEDNN_MAX_CPU_ISA of a class: the most oneDNN's JIT may emit."""
 
+_MKL_INSTRUCTIONS = {CpuClass.baseline: "SSE4_2", CpuClass.avx2: "AVX2", CpuClass.avx512: "AVX512"}
+"""MKL_ENABLE_INSTRUCTIONS of a class (MKL runs torch's float32 GEMMs): the
+classes above avx512 add nothing MKL uses for them."""
+
 
 def machine_cpu_class(flags: frozenset[str] | None = None) -> CpuClass:
     """The highest class whose flags this CPU (or `flags`) has."""
@@ -118,12 +122,14 @@ def compiler_flags() -> list[str]:
 
 
 def torch_environment() -> dict[str, str]:
-    """Environment variables that hold torch (ATen's vectorised kernels) and
-    oneDNN to the class; empty when fleet runs at the machine's own class."""
+    """Environment variables that hold torch (ATen's vectorised kernels), oneDNN
+    and MKL to the class; empty when fleet runs at the machine's own class."""
     if not cpu_class_is_lowered():
         return {}
     settings = {"ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA[cpu_class()]}
     settings["ATEN_CPU_CAPABILITY"] = _ATEN_CAPABILITY.get(cpu_class(), "avx512")
+    if cpu_class() in _MKL_INSTRUCTIONS:
+        settings["MKL_ENABLE_INSTRUCTIONS"] = _MKL_INSTRUCTIONS[cpu_class()]
     return settings
 
 

@@ -67,17 +67,18 @@ class ModelConfig:
         return self.model_path.endswith(".gguf")
 
     def keeps_gguf_blocks(self, device: str) -> bool:
-        """Whether a GGUF file's Q4_0/Q4_1/Q8_0 weights stay in their blocks
-        (kernels/quantized.py): on a CPU for a bfloat16 model with
-        AVX512-BF16, where the kernel multiplies the blocks' integers as they
-        are, faster than the dequantized weights for steps of few rows and as
-        fast for many; on CUDA with the `triton` extra, whose kernel
-        (kernels/triton_ops.py) dequantizes them per block. Elsewhere (float32
-        models and other CPUs) they are dequantized at load: the C++ kernel's
-        portable path is a correct but slow reference there."""
+        """Whether a GGUF file's quantized weights stay in their blocks
+        (kernels/quantized.py): on a CPU of class avx2 or above, for any
+        dtype, where the kernels multiply the blocks as they are (bfloat16
+        integers on AVX512-BF16; Q8 activations against the integers for
+        steps of few rows elsewhere, llama.cpp's scheme) and read a quarter
+        of float32's bytes; on CUDA with the `triton` extra, whose kernel
+        (kernels/triton_ops.py) dequantizes them per block. Below AVX2 they
+        are dequantized at load: the kernels' portable path is a correct but
+        slow reference there."""
         if device == "cuda":
             return self.is_gguf and importlib.util.find_spec("triton") is not None
-        return self.is_gguf and device == "cpu" and self.dtype == "bfloat16" and cpu_class() >= CpuClass.avx512_bf16
+        return self.is_gguf and device == "cpu" and cpu_class() >= CpuClass.avx2
 
     def keeps_bfloat16_decode_weights(self, device: str) -> bool:
         """Whether the model also keeps its linear weights in bfloat16, packed

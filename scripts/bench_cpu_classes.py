@@ -56,10 +56,11 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(60)
 
 
-def measure(base_url: str, concurrency: int) -> dict:
+def measure(base_url: str, concurrency: int, num_prompts: int | None = None, seed: int = 0) -> dict:
     args = parse_args([
-        "--base-url", base_url, "--num-prompts", str(max(8, 2 * concurrency)), "--max-concurrency", str(concurrency),
-        "--random-input-len", "256", "--random-output-len", "128", "--ignore-eos",
+        "--base-url", base_url, "--num-prompts", str(num_prompts or max(8, 2 * concurrency)),
+        "--max-concurrency", str(concurrency), "--random-input-len", "256", "--random-output-len", "128",
+        "--ignore-eos", "--seed", str(seed),
     ])
     return run_benchmark(args)
 
@@ -74,7 +75,7 @@ def main() -> None:
     for cpu_class in args.classes:
         proc, base_url = serving(cpu_class, extra)
         try:
-            measure(base_url, 1)  # warm-up: first steps, allocator
+            measure(base_url, 1, num_prompts=2, seed=1)  # warm-up (other prompts: no prefix-cache hits later)
             for concurrency in args.concurrency:
                 result = measure(base_url, concurrency)
                 print(f"{cpu_class:12} c={concurrency:<3} output {result['output_throughput']:7.1f} tok/s   "

@@ -11,7 +11,7 @@ import fleet
 from fleet import SamplingParams
 from fleet.config.model_files import default_model_path
 from fleet.tests.engine.helpers import assert_all_blocks_free, assert_no_fleet_processes
-from fleet.tests.engine.oracle import greedy, hf_model, log_softmax
+from fleet.tests.engine.oracle import hf_model, log_softmax
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +31,15 @@ def smollm2():
     assert_no_fleet_processes()
 
 
-def test_first_32_greedy_tokens_match_transformers(smollm2):
-    path = default_model_path()
-    model = hf_model(os.path.dirname(path), os.path.basename(path))
+def test_float32_greedy_tokens_are_transformers_best_or_near_it(smollm2):
+    """The GGUF's blocks stay kept in float32 too: prefill steps multiply
+    exact float32 tiles, decode steps round the activations to Q8 per block
+    as llama.cpp does (about bfloat16's precision; tests/models/test_gguf.py
+    bounds the logits), so the tokens are held to the rule of bfloat16."""
     outputs = smollm2.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32), use_tqdm=False)
     for output in outputs:
-        assert output.outputs[0].token_ids == greedy(model, output.prompt_token_ids, 32), output.prompt
         assert output.outputs[0].text == smollm2.tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True)
+    assert_transformers_best_or_near_it(outputs)
     assert_all_blocks_free(smollm2)
 
 
@@ -45,13 +47,9 @@ def test_first_32_greedy_tokens_match_transformers(smollm2):
 def test_bfloat16_greedy_tokens_are_transformers_best_or_near_it(tp):
     """In bfloat16 (what --dtype auto picks on a CPU with native bfloat16,
     where the GGUF weights stay in their blocks: kernels/quantized.py) the
-    sums round differently from float32, so a near tie may go the other
-    way: each greedy token must be float32 transformers' best choice for the
-    same prefix, or within 0.25 nats of it, and nine in ten (over all the
-    prompts' tokens) its best. (Weights 5 % off fail this.) With --tp 3 each
-    rank keeps its slice of the blocks: rows of the column-parallel layers,
-    whole blocks of the row-parallel ones' columns (576 / 3 and 1536 / 3 are
-    multiples of 32)."""
+    sums round differently from float32. With --tp 3 each rank keeps its
+    slice of the blocks: rows of the column-parallel layers, whole blocks of
+    the row-parallel ones' columns (576 / 3 and 1536 / 3 are multiples of 32)."""
     llm = fleet.LLM(dtype="bfloat16", device="cpu", tensor_parallel_size=tp, kv_cache_memory_bytes="64M",
                     max_model_len=512)
     try:
@@ -59,6 +57,14 @@ def test_bfloat16_greedy_tokens_are_transformers_best_or_near_it(tp):
         assert_all_blocks_free(llm)
     finally:
         llm.shutdown()  # the module's fixture proves every process gone at its end
+    assert_transformers_best_or_near_it(outputs)
+
+
+def assert_transformers_best_or_near_it(outputs) -> None:
+    """Sums that round differently from float32 transformers' may turn a near
+    tie the other way: each greedy token must be float32 transformers' best
+    choice for the same prefix, or within 0.25 nats of it, and nine in ten
+    (over all the prompts' tokens) its best. (Weights 5 % off fail this.)"""
     path = default_model_path()
     model = hf_model(os.path.dirname(path), os.path.basename(path))
     best = []

@@ -27,22 +27,26 @@ def gguf_path() -> str:
 
 @torch.inference_mode()
 def test_logits_match_transformers(gguf_path: str) -> None:
+    """A float32 prefill of more than 32 tokens multiplies exact float32
+    tiles of the kept blocks: transformers' logits up to summation order.
+    (Steps of fewer rows round the activations to Q8: the test below.)"""
     from transformers import AutoModelForCausalLM
 
     hf_config = hf_config_from_gguf(gguf_path)
     model_config = ModelConfig(model=gguf_path, model_path=gguf_path, architecture=hf_config["architectures"][0],
                                hf_config=hf_config)
     ours = load_model(model_config, LoadConfig(load_format="gguf"), torch.float32, torch.device("cpu"))
-    block_size, num_tokens = 16, len(PROMPT)
+    prompt = PROMPT * 2
+    block_size, num_tokens = 16, len(prompt)
     kv_caches = [torch.zeros(2, 4, block_size, ours.num_kv_heads, ours.head_dim) for _ in range(ours.num_layers)]
-    meta = AttentionMetadata.build([num_tokens], [num_tokens], [[2, 1]], block_size)
-    hidden = ours(torch.tensor(PROMPT), torch.arange(num_tokens), kv_caches, meta)
+    meta = AttentionMetadata.build([num_tokens], [num_tokens], [[2, 1, 3]], block_size)
+    hidden = ours(torch.tensor(prompt), torch.arange(num_tokens), kv_caches, meta)
     logits = ours.compute_logits(hidden)  # [T, vocab]
 
     hf = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
     ).eval()
-    expected = hf(torch.tensor([PROMPT])).logits[0]
+    expected = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
     assert logits[-1].argmax() == expected[-1].argmax()
 
@@ -80,24 +84,18 @@ def test_fleet_prepare_keeps_the_tokenizer(gguf_path: str, tmp_path) -> None:
 
 
 @torch.inference_mode()
-def test_weights_stay_in_their_blocks_as_near_as_the_dequantized_model(gguf_path: str) -> None:
-    """A bfloat16 model on a CPU with AVX512-BF16 keeps its Q4_1 layers and
-    its Q8_0 embedding / LM head in the file's blocks: it holds about the
-    file's bytes. Its sums round differently from the dequantized model's
-    (the kernel skips rounding each weight to bfloat16), so the stated
-    tolerance is relative, for a prefill and for decode steps: the kept
-    model is no further from the float32 one than the dequantized bfloat16
-    model is (mean absolute logit error within 1.25 times its), and picks
-    the float32 model's greedy token as often, within 3 %."""
-    hf_config = hf_config_from_gguf(gguf_path)
-    if not ModelConfig(model=gguf_path, model_path=gguf_path, hf_config=hf_config,
-                       dtype="bfloat16").keeps_gguf_blocks("cpu"):
-        pytest.skip("GGUF blocks stay quantized only on a CPU with AVX512-BF16")
+def test_bfloat16_weights_stay_in_their_blocks_as_near_as_the_dequantized_model(gguf_path: str) -> None:
+    """A bfloat16 model keeps its Q4_1 layers and its Q8_0 embedding / LM
+    head in the file's blocks: it holds about the file's bytes. Its sums
+    round differently from the dequantized model's (the kernel skips
+    rounding each weight to bfloat16, or, below AVX512-BF16, rounds the
+    activations to Q8 for steps of few rows), so the stated tolerance is
+    relative, for a prefill and for decode steps: the kept model is no
+    further from the float32 one than the dequantized bfloat16 model is
+    (mean absolute logit error within 1.25 times its), and picks the float32
+    model's greedy token as often, within 3 %."""
     reference = _prefill_and_decode(_model(gguf_path, torch.float32, False), torch.float32)
-    kept = _model(gguf_path, torch.bfloat16, True)
-    assert sum(p.dtype == torch.uint8 for p in kept.parameters()) == 4 * kept.spec.num_layers + 1
-    assert sum(p.nbytes for p in kept.parameters()) < 1.05 * os.path.getsize(gguf_path)
-    assert all(getattr(m, "decode_weight", None) is None for m in kept.modules())
+    kept = _kept_model(gguf_path, torch.bfloat16)
     kept16 = _prefill_and_decode(kept, torch.bfloat16).float()
     dequantized16 = _prefill_and_decode(_model(gguf_path, torch.bfloat16, False), torch.bfloat16).float()
     kept_error, dequantized_error = (kept16 - reference).abs().mean(), (dequantized16 - reference).abs().mean()
@@ -106,6 +104,38 @@ def test_weights_stay_in_their_blocks_as_near_as_the_dequantized_model(gguf_path
     kept_agree = (kept16.argmax(dim=1) == best).float().mean()
     dequantized_agree = (dequantized16.argmax(dim=1) == best).float().mean()
     assert kept_agree >= dequantized_agree - 0.03, (kept_agree, dequantized_agree)
+
+
+def test_float32_weights_stay_in_their_blocks_exact_for_prefill_and_near_for_decode(gguf_path: str) -> None:
+    """A float32 model keeps the blocks too. Its 68-token prefill multiplies
+    exact float32 tiles (the dequantized model's logits up to summation
+    order); its decode steps round each activation block to Q8 as llama.cpp
+    does, which keeps about bfloat16's precision: their logits are no
+    further from the dequantized float32 model's than twice the dequantized
+    bfloat16 model's are, and pick the same greedy tokens."""
+    reference = _prefill_and_decode(_model(gguf_path, torch.float32, False), torch.float32)
+    kept32 = _prefill_and_decode(_kept_model(gguf_path, torch.float32), torch.float32)
+    dequantized16 = _prefill_and_decode(_model(gguf_path, torch.bfloat16, False), torch.bfloat16).float()
+    prefill = len(PROMPT) * 4
+    torch.testing.assert_close(kept32[:prefill], reference[:prefill], atol=1e-3, rtol=0)
+    kept_error = (kept32[prefill:] - reference[prefill:]).abs().mean()
+    dequantized_error = (dequantized16[prefill:] - reference[prefill:]).abs().mean()
+    assert 0 < kept_error <= 2 * dequantized_error, (kept_error, dequantized_error)
+    assert torch.equal(kept32[prefill:].argmax(dim=1), reference[prefill:].argmax(dim=1))
+
+
+def _kept_model(gguf_path: str, dtype: torch.dtype):
+    """The default model as fleet loads it on this CPU class: Q4_1 layers and
+    the Q8_0 embedding / LM head in the file's blocks, about the file's bytes."""
+    hf_config = hf_config_from_gguf(gguf_path)
+    if not ModelConfig(model=gguf_path, model_path=gguf_path, hf_config=hf_config,
+                       dtype=str(dtype).removeprefix("torch.")).keeps_gguf_blocks("cpu"):
+        pytest.skip("GGUF blocks stay quantized only on a CPU of class avx2 or above")
+    kept = _model(gguf_path, dtype, True)
+    assert sum(p.dtype == torch.uint8 for p in kept.parameters()) == 4 * kept.spec.num_layers + 1
+    assert sum(p.nbytes for p in kept.parameters()) < 1.05 * os.path.getsize(gguf_path)
+    assert all(getattr(m, "decode_weight", None) is None for m in kept.modules())
+    return kept
 
 
 def _model(gguf_path: str, dtype: torch.dtype, keep_blocks: bool):
@@ -130,14 +160,14 @@ def _model(gguf_path: str, dtype: torch.dtype, keep_blocks: bool):
 
 
 def _prefill_and_decode(model, dtype: torch.dtype) -> torch.Tensor:
-    """Logits of a 68-token prefill (a step of many rows) and of 3 decode steps of 1 row."""
+    """Logits of a 68-token prefill (a step of many rows) and of 8 decode steps of 1 row."""
     block_size, prompt = 16, PROMPT * 4
     kv_caches = [torch.zeros(2, 8, block_size, model.num_kv_heads, model.head_dim, dtype=dtype)
                  for _ in range(model.num_layers)]
     tables = [[1, 2, 3, 4, 5]]
     meta = AttentionMetadata.build([len(prompt)], [len(prompt)], tables, block_size)
     logits = [model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt)), kv_caches, meta))]
-    for step in range(3):
+    for step in range(8):
         position = len(prompt) + step
         meta = AttentionMetadata.build([1], [position + 1], tables, block_size)
         logits.append(model.compute_logits(model(torch.tensor([PROMPT[step]]), torch.tensor([position]), kv_caches,
