@@ -35,7 +35,7 @@ _forget_checkout_root()
 
 
 def _hold_torch_to_the_cpu_class() -> None:
-    """Under FLEET_CPU_ISA, set torch's and oneDNN's own variables before torch
+    """Under FLEET_CPU_ISA, set torch's, oneDNN's and MKL's own variables before torch
     loads: every fleet process (launcher, engine, worker, a test run) imports
     `fleet` first. A bad value is left for the CLI or the engine to refuse in
     one line (config/cpu_class.py), not raised while importing."""

@@ -36,16 +36,18 @@ class CpuClass(enum.IntEnum):
     amx = 4
 
 
-REQUIRED_FLAGS: dict[CpuClass, frozenset[str]] = {
-    CpuClass.baseline: frozenset(),
-    CpuClass.avx2: frozenset({"avx2", "fma", "f16c"}),
-    CpuClass.avx512: frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-    CpuClass.avx512_bf16: frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-                                     "avx512_bf16"}),
-    CpuClass.amx: frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                             "amx_bf16", "amx_tile"}),
+_FLAGS_ADDED = {
+    CpuClass.baseline: (),
+    CpuClass.avx2: ("avx2", "fma", "f16c"),
+    CpuClass.avx512: ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    CpuClass.avx512_bf16: ("avx512_bf16",),
+    CpuClass.amx: ("amx_bf16", "amx_tile"),
 }
-"""/proc/cpuinfo flags a class needs (each class needs those of the classes below it)."""
+"""/proc/cpuinfo flags each class needs beyond those of the class below it."""
+
+REQUIRED_FLAGS = {cls: frozenset(flag for lower in CpuClass if lower <= cls for flag in _FLAGS_ADDED[lower])
+                  for cls in CpuClass}
+"""Every /proc/cpuinfo flag a class needs."""
 
 _MARCH: dict[CpuClass, list[str]] = {
     CpuClass.baseline: ["-march=x86-64"],
