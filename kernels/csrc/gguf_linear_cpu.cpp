@@ -253,6 +253,12 @@ void tiled_rows(const float* x, const uint8_t* packed, int64_t M, int64_t K, int
 constexpr int64_t Q8_ROWS = 32;
 constexpr int Q8_TILE = 4;     // rows of x per pass of the integer path
 constexpr int FLOAT_TILE = 3;  // rows of x per pass of the float32 path: 12 accumulators
+// Rows of x the float32 path takes through all of a task's panels before the
+// next rows: 64 rows of 576-1536 inputs stay in L2 while every panel reads
+// them (with all of a 2048-token prefill's rows, x streamed from memory once
+// per panel: 0.4-0.55x MKL's float32 GEMM on the dequantized weights; the
+// blocks are dequantized once per chunk instead, which costs less).
+constexpr int64_t FLOAT_CHUNK = 64;
 
 // x's rows as Q8 blocks: q[m * K + k], and per block of 32 (index m * blocks + b)
 // the scale d = max|x| / 127 (float32, where a GGUF file rounds it to fp16) and
@@ -516,19 +522,23 @@ template <int64_t TYPE, typename Model, typename Out>
 void float_rows(const float* x, const uint8_t* packed, int64_t M, int64_t K, int64_t N, const Out* bias, Out* y) {
   const int64_t blocks = K / BLOCK, panels = (N + PANEL - 1) / PANEL;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(M * 2 * PANEL), sums(M * PANEL);  // acc: two lanes (even, odd k) per feature
+    std::vector<float> acc(FLOAT_CHUNK * 2 * PANEL), sums(FLOAT_CHUNK * PANEL);  // acc: even and odd k per feature
     alignas(32) float tile[PAIRS * 2 * PANEL];
-    for (int64_t p = begin; p < end; ++p) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < blocks; ++b) {
-        dequantize_pairs<TYPE, Model>(packed + (p * blocks + b) * panel_block_bytes(TYPE), tile);
-        for (int64_t m0 = 0; m0 < M; m0 += FLOAT_TILE)
-          for (int h = 0; h < 2; ++h)
-            FLOAT_TILE_FOR[std::min<int64_t>(FLOAT_TILE, M - m0)](tile, x + m0 * K + b * BLOCK, K,
-                                                                  acc.data() + m0 * 2 * PANEL, h);
+    for (int64_t c0 = 0; c0 < M; c0 += FLOAT_CHUNK) {
+      const int64_t rows = std::min(FLOAT_CHUNK, M - c0);
+      const float* chunk = x + c0 * K;
+      for (int64_t p = begin; p < end; ++p) {
+        std::fill(acc.begin(), acc.begin() + rows * 2 * PANEL, 0.f);
+        for (int64_t b = 0; b < blocks; ++b) {
+          dequantize_pairs<TYPE, Model>(packed + (p * blocks + b) * panel_block_bytes(TYPE), tile);
+          for (int64_t m0 = 0; m0 < rows; m0 += FLOAT_TILE)
+            for (int h = 0; h < 2; ++h)
+              FLOAT_TILE_FOR[std::min<int64_t>(FLOAT_TILE, rows - m0)](tile, chunk + m0 * K + b * BLOCK, K,
+                                                                       acc.data() + m0 * 2 * PANEL, h);
+        }
+        for (int64_t i = 0; i < rows * PANEL; ++i) sums[i] = acc[2 * i] + acc[2 * i + 1];
+        store_panel(sums.data(), rows, bias, y + c0 * N, N, p * PANEL, std::min(PANEL, N - p * PANEL));
       }
-      for (int64_t i = 0; i < M * PANEL; ++i) sums[i] = acc[2 * i] + acc[2 * i + 1];
-      store_panel(sums.data(), M, bias, y, N, p * PANEL, std::min(PANEL, N - p * PANEL));
     }
   });
 }
