@@ -55,7 +55,7 @@ def cpu_isa() -> str | None:
 
 
 def hold_torch_to(settings: dict[str, str]) -> None:
-    """Set torch's and oneDNN's own variables (ATEN_CPU_CAPABILITY,
-    ONEDNN_MAX_CPU_ISA) for this process and its children; they take effect
-    only if torch has not loaded yet."""
+    """Set torch's, oneDNN's and MKL's own variables (ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) for this process and its
+    children; they take effect only if torch has not loaded yet."""
     os.environ.update(settings)
