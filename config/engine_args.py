@@ -37,6 +37,9 @@ NESTED_GROUPS: dict[str, type] = {"compilation_config": CompilationConfig}
 # Limits by device when the user sets none: CPU steps are slow, so smaller steps keep latency down.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "cuda": 256}
+PROMPT_CHARS_PER_TOKEN = 32
+"""Unset --max-prompt-chars: a token is rarely 32 characters, so a longer text cannot fit the context."""
+MIN_SANDBOX_MEMORY_BYTES = 256 * 2**20
 CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length")
 
 
@@ -125,6 +128,15 @@ class EngineArgs:
     chat_template: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    trust_request_chat_template: bool = False
+    max_prompt_chars: HumanInt | None = None
+    max_tools: int = 128
+    max_inputs_per_request: int = 2048
+    max_request_tokens: HumanInt = 128 * 2**10
+    max_structured_choices: int = 4096
+    sandbox_processes: int = 2
+    sandbox_timeout: float = 3.0
+    sandbox_memory_bytes: HumanInt = 2**30
     # compilation_config: one JSON-valued flag
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
@@ -157,16 +169,8 @@ class EngineArgs:
             cache = dataclasses.replace(cache, enable_prefix_caching=True)
         if cache.block_size < 1:
             raise ValueError(f"--block-size must be at least 1, got {cache.block_size}")
-        frontend = FrontendConfig(**self._group("frontend"))
-        if frontend.api_key is None:
-            frontend = dataclasses.replace(frontend, api_key=env.api_key())
-        if frontend.api_server_count < 1:
-            raise ValueError(f"--api-server-count must be at least 1, got {frontend.api_server_count}")
+        frontend = _resolve_frontend(FrontendConfig(**self._group("frontend")), model)
         self.compilation_config.check_built(device.device, model.is_moe)
-        if frontend.chat_template is not None:
-            frontend = dataclasses.replace(frontend, chat_template=_read_chat_template(frontend.chat_template))
-        if frontend.enable_auto_tool_choice and frontend.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
         return FleetConfig(
             model=model,
             cache=cache,
@@ -204,6 +208,28 @@ def _resolve_model(model: ModelConfig, load: LoadConfig, device: DeviceConfig) -
         eos_token_ids=_eos_token_ids(hf_config, read_generation_config(path)),
         sampling_defaults=_sampling_defaults(model.generation_config, path),
     )
+
+
+def _resolve_frontend(frontend: FrontendConfig, model: ModelConfig) -> FrontendConfig:
+    if frontend.api_key is None:
+        frontend = dataclasses.replace(frontend, api_key=env.api_key())
+    if frontend.chat_template is not None:
+        frontend = dataclasses.replace(frontend, chat_template=_read_chat_template(frontend.chat_template))
+    if frontend.max_prompt_chars is None:
+        frontend = dataclasses.replace(frontend, max_prompt_chars=PROMPT_CHARS_PER_TOKEN * model.max_model_len)
+    if frontend.enable_auto_tool_choice and frontend.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    at_least_one = ("api_server_count", "max_prompt_chars", "max_tools", "max_inputs_per_request",
+                    "max_request_tokens", "max_structured_choices", "sandbox_processes")
+    for name in at_least_one:
+        if getattr(frontend, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(frontend, name)}")
+    if frontend.sandbox_timeout <= 0:
+        raise ValueError(f"--sandbox-timeout must be positive, got {frontend.sandbox_timeout}")
+    if frontend.sandbox_memory_bytes < MIN_SANDBOX_MEMORY_BYTES:
+        raise ValueError(f"--sandbox-memory-bytes must be at least {MIN_SANDBOX_MEMORY_BYTES >> 20}M (the process "
+                         f"and the tokenizer it checks grammars with), got {frontend.sandbox_memory_bytes}")
+    return frontend
 
 
 def _read_chat_template(value: str) -> str:

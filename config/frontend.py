@@ -31,3 +31,21 @@ class FrontendConfig:
     """Let the model decide when to call tools (tool_choice "auto"): its calls are read from its text by --tool-call-parser."""
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     """How tool calls are written in the model's text: hermes (<tool_call>{...}</tool_call>, Hermes and Qwen models) or llama3_json (a JSON object with name and parameters, Llama 3)."""
+    trust_request_chat_template: bool = False
+    """Let a request bring its own `chat_template` (a program the server runs; refused without this flag, as vLLM)."""
+    max_prompt_chars: HumanInt | None = None
+    """Longest prompt text, rendered chat or given, before it is tokenised; also bounds what a chat template may build. Unset: 32 characters per token of --max-model-len."""
+    max_tools: int = 128
+    """Most tools one chat request may list (OpenAI's limit)."""
+    max_inputs_per_request: int = 2048
+    """Most prompts in one completions request, or inputs in one embeddings request (OpenAI's limit)."""
+    max_request_tokens: HumanInt = 128 * 2**10
+    """Most tokens one request may ask to generate: n x max_tokens. A request without max_tokens gets at most this / n."""
+    max_structured_choices: int = 4096
+    """Most strings in a structured output `choice`."""
+    sandbox_processes: int = 2
+    """Processes per API server that render chat templates and check grammars (a request's template or grammar can cost only them)."""
+    sandbox_timeout: float = 3.0
+    """Seconds one chat template render or grammar check may take; past it the request gets a 400 and the process is replaced."""
+    sandbox_memory_bytes: HumanInt = 2**30
+    """Memory (data segment) of each sandbox process: a template or grammar needing more gets a 400."""

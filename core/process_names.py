@@ -16,3 +16,8 @@ def engine_core_name(dp_rank: int) -> str:
 
 def worker_name(dp_rank: int, pp_rank: int, tp_rank: int) -> str:
     return f"fleet-worker-dp{dp_rank}-pp{pp_rank}-tp{tp_rank}"
+
+
+def sandbox_name(api_server_index: int, number: int) -> str:
+    """The `number`th sandbox process an API server started (frontend/sandbox.py): replaced ones count on."""
+    return f"fleet-sandbox-{api_server_index}-{number}"

@@ -50,9 +50,17 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     json_object: bool = False
     """The output is some JSON object."""
 
+    def check_size(self, max_choices: int) -> StructuredOutputsParams:
+        """Raise InvalidParameter unless `choice` has at most `max_choices`
+        strings (a grammar of 50,000 of them takes seconds to build); return self."""
+        if self.choice is not None and len(self.choice) > max_choices:
+            raise InvalidParameter("structured_outputs", f"choice has {len(self.choice)} strings, more than the "
+                                                         f"limit of {max_choices} (--max-structured-choices)")
+        return self
+
     def validate(self) -> StructuredOutputsParams:
         """Raise InvalidParameter("structured_outputs", why) unless exactly one
-        valid constraint is given; return self."""
+        valid constraint is given; return self. Runs llguidance in this process."""
         from llguidance import LLMatcher  # the grammar engine, in the processes that meet constraints
 
         error = LLMatcher.validate_grammar(self.to_llguidance())
@@ -132,7 +140,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> SamplingParams:
         """Raise InvalidParameter naming the first bad field; return self.
         With `vocab_size`, every token id must be one of the model's: an id
-        outside it would index past the logits in a worker."""
+        outside it would index past the logits in a worker. The structured
+        output constraint is checked apart: its grammar is native code that
+        the API server runs only in its sandbox (frontend/sandbox.py)."""
         self._validate_integers()
         checks = [
             ("n", 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}"),
@@ -167,8 +177,6 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             if not ok:
                 raise InvalidParameter(param, message)
         self._validate_logit_bias(vocab_size)
-        if self.structured_outputs is not None:
-            self.structured_outputs.validate()
         if vocab_size is not None:
             outside = [t for t in self.stop_token_ids if t >= vocab_size]
             if outside:

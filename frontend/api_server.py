@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 from http import HTTPStatus
 
 import msgspec
@@ -38,12 +39,15 @@ from fleet.frontend.protocol import (
     TokenizeRequest,
     now,
 )
+from fleet.frontend.sandbox import Sandbox, startup_info
 from fleet.frontend.serving import RequestFailed, Serving
 
 logger = logging.getLogger(__name__)
 
 DRAIN_CUT_MARGIN_S = 1.0
 """Requests still running this long before the end of the drain are ended with an error."""
+EXIT_MARGIN_S = 4.0
+"""The process ends this long after the drain whatever its threads still do."""
 
 
 class APIError(Exception):
@@ -53,10 +57,10 @@ class APIError(Exception):
         self.param = param
 
 
-def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
+def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox) -> FastAPI:
     app = FastAPI(title="fleet", version=fleet.__version__)
     served_names = config.model.served_model_name or [config.model.model]
-    serving = Serving(engine, served_names[0])
+    serving = Serving(engine, served_names[0], sandbox)
     metrics = engine.metrics
     api_key = config.frontend.api_key
 
@@ -154,6 +158,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
             text = await off_loop(serving.chat_prompt, ChatCompletionRequest(messages=body.messages))
             tokens = await off_loop(serving.tokenizer.encode, text, add_special_tokens=False)
         elif body.prompt is not None:
+            serving.check_prompt_chars(body.prompt, "prompt")
             tokens = await off_loop(serving.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise APIError(400, "give `prompt` or `messages`", "prompt")
@@ -176,6 +181,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
         prompts = body.prompts()
         if not prompts:
             raise InvalidParameter("prompt", "the prompt is empty")
+        serving.check_input_count(len(prompts), "prompt")
         prepared = await off_loop(lambda: [serving.prepare(p, body, body.logprobs) for p in prompts])
         if body.stream:
             return _stream(serving.completion_stream(body, prepared))
@@ -187,6 +193,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig) -> FastAPI:
         inputs = body.inputs()
         if not inputs:
             raise InvalidParameter("input", "the input is empty")
+        serving.check_input_count(len(inputs), "input")
         try:
             prompts = await off_loop(lambda: [serving.tokenize_prompt(prompt) for prompt in inputs])
         except InvalidParameter as error:
@@ -269,14 +276,16 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
 
     config, plan = info.config, info.plan
 
-    def build() -> tuple[AsyncEngine, FastAPI]:
+    def build() -> tuple[AsyncEngine, Sandbox, FastAPI]:
         metrics = Metrics(config.model.served_model_name[0] if config.model.served_model_name else config.model.model)
         tokenizer = load_tokenizer(config.model)
+        sandbox = Sandbox(plan.index, startup_info(config, tokenizer), config.frontend.sandbox_processes,
+                          config.frontend.sandbox_timeout)
         engine = AsyncEngine(config, tokenizer, plan.index, plan.addresses, metrics, plan.load_address)
         engine.connect(plan.num_engines)
-        return engine, build_app(engine, config)
+        return engine, sandbox, build_app(engine, config, sandbox)
 
-    engine, app = processes.start_or_report(name, info.handshake_address, build)
+    engine, sandbox, app = processes.start_or_report(name, info.handshake_address, build)
     drain = config.frontend.shutdown_timeout
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.frontend.uvicorn_log_level,
                                            timeout_graceful_shutdown=drain))
@@ -293,6 +302,7 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
         cutter.cancel()
 
     asyncio.run(serve())
+    sandbox.close()
     engine.shutdown()
 
 
@@ -302,8 +312,24 @@ async def _stop_unfinished_at_drain_end(server, engine: AsyncEngine, drain: floa
     says why, so that a client knows its answer is incomplete."""
     while not server.should_exit:
         await asyncio.sleep(0.1)
+    _exit_after(drain + EXIT_MARGIN_S)
     await asyncio.sleep(max(0.0, drain - DRAIN_CUT_MARGIN_S))
     engine.stop_unfinished(f"the server shut down before the request finished (--shutdown-timeout {drain:g} s)")
+
+
+def _exit_after(seconds: float) -> None:
+    """End the process `seconds` from now if it has not ended by then: asyncio
+    waits for its worker threads at exit, and a thread busy with a request
+    (tokenising a long text) must not hold a stopping server past its timeout."""
+
+    def exit_now() -> None:
+        logger.warning("still running %g s after the stop began: exiting now", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, exit_now)
+    timer.daemon = True
+    timer.start()
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -130,6 +130,8 @@ class LLM:
 
     def _submit(self, prompt: PromptType, params: SamplingParams, pooling: str | None = None) -> RequestState:
         params.validate(self.config.model.max_logprobs, self.config.model.hf_config.get("vocab_size"))
+        if params.structured_outputs is not None:
+            params.structured_outputs.validate()  # here: offline, the grammar is the caller's own
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
         state = RequestState(request_id, text, token_ids, params, self.tokenizer)

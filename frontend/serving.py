@@ -11,15 +11,18 @@ from dataclasses import dataclass
 
 import msgspec
 
-from fleet.core.sampling_params import InvalidParameter, SamplingParams
+from fleet.core.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from fleet.frontend.async_engine import AsyncEngine
 from fleet.frontend.output_processor import EMBEDDING_PARAMS, CompletionOutput, Logprob, RequestOutput, RequestState
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, now, random_id
-from fleet.frontend.tokenizer import render_chat
+from fleet.frontend.sandbox import Sandbox
+from fleet.frontend.tokenizer import chat_render_request
 from fleet.frontend.tool_calls import ToolChoice
 
 COMPLETION_MAX_TOKENS = 16
 """max_tokens of a completion request that sets none."""
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 2**10
+"""Largest chat_template_kwargs, as JSON: variables (enable_thinking), not documents."""
 
 
 class RequestFailed(Exception):
@@ -34,10 +37,16 @@ class Prepared:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    """Requests validated and turned into engine work. What a request could
+    make unbounded (its chat template, its grammar) runs in `sandbox`; every
+    other cost is capped by a flag (config/frontend.py, README's limits)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, sandbox: Sandbox):
         self.engine = engine
+        self.sandbox = sandbox
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.limits = engine.config.frontend
         self.max_model_len = engine.config.model.max_model_len
         self.max_logprobs = engine.config.model.max_logprobs
         self.sampling_defaults = engine.config.model.sampling_defaults
@@ -49,8 +58,9 @@ class Serving:
         """Tokenise and build validated SamplingParams; raises InvalidParameter."""
         prompt, token_ids = self.tokenize_prompt(prompt)
         rest_of_context = self.max_model_len - len(token_ids)
-        # Completions without max_tokens stop at 16 tokens (OpenAI and vLLM); chat at the end of the context.
-        default_max_tokens = rest_of_context
+        # Completions without max_tokens stop at 16 tokens (OpenAI and vLLM); chat at the end of the
+        # context, or where n of them reach --max-request-tokens.
+        default_max_tokens = min(rest_of_context, max(1, self.limits.max_request_tokens // max(request.n, 1)))
         if isinstance(request, CompletionRequest):
             default_max_tokens = min(COMPLETION_MAX_TOKENS, rest_of_context)
         params = request.sampling_params(default_max_tokens, logprobs, self.sampling_defaults)
@@ -62,7 +72,17 @@ class Serving:
                 f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, {params.max_tokens} "
                 "for the completion). Please reduce the length of the prompt or max_tokens.",
             )
+        if params.n * params.max_tokens > self.limits.max_request_tokens:
+            raise InvalidParameter("max_tokens", f"n x max_tokens = {params.n} x {params.max_tokens} is more than "
+                                                 f"the limit of {self.limits.max_request_tokens} tokens per request "
+                                                 "(--max-request-tokens)")
+        if params.structured_outputs is not None:
+            self.check_constraint(params.structured_outputs, "structured_outputs")
         return Prepared(prompt, token_ids, params)
+
+    def check_constraint(self, constraint: StructuredOutputsParams, param: str) -> None:
+        constraint.check_size(self.limits.max_structured_choices)
+        self.sandbox.check_grammar(constraint, param)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """(the prompt's text, or None for token ids; its token ids), checked
@@ -70,6 +90,7 @@ class Serving:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidParameter("prompt", "this model has no tokenizer: send token ids")
+            self.check_prompt_chars(prompt, "prompt")
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
@@ -87,6 +108,18 @@ class Serving:
             )
         return prompt, token_ids
 
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """Tokenising takes time in proportion to the text: a text that cannot
+        fit the context is refused before it is tokenised."""
+        if len(text) > self.limits.max_prompt_chars:
+            raise InvalidParameter(param, f"the prompt has {len(text)} characters, more than the limit of "
+                                          f"{self.limits.max_prompt_chars} (--max-prompt-chars)")
+
+    def check_input_count(self, count: int, param: str) -> None:
+        if count > self.limits.max_inputs_per_request:
+            raise InvalidParameter(param, f"the request has {count} inputs, more than the limit of "
+                                          f"{self.limits.max_inputs_per_request} (--max-inputs-per-request)")
+
     def prepare_chat(self, request: ChatCompletionRequest, logprobs: int | None) -> tuple[Prepared, ToolChoice]:
         """The chat prompt (tools shown to the model), its SamplingParams and
         how its reply is read; a forced tool choice constrains the output."""
@@ -99,24 +132,38 @@ class Serving:
             if prepared.params.structured_outputs is not None:
                 raise InvalidParameter("tool_choice", f"tool_choice {request.tool_choice_value()!r} constrains the "
                                                       "output already: drop response_format / structured_outputs")
-            prepared.params = msgspec.structs.replace(prepared.params, structured_outputs=forced.validate())
+            self.check_constraint(forced, "tool_choice")
+            prepared.params = msgspec.structs.replace(prepared.params, structured_outputs=forced)
         return prepared, tools
 
     def chat_prompt(self, request: ChatCompletionRequest) -> str:
+        """The rendered conversation, from the sandbox; raises InvalidParameter."""
         if self.tokenizer is None:
             raise InvalidParameter("messages", "this model has no tokenizer and no chat template")
+        if request.chat_template is not None and not self.limits.trust_request_chat_template:
+            raise InvalidParameter("chat_template", "this server does not run a request's own chat template: "
+                                                    "start it with --trust-request-chat-template to allow them")
+        tools = request.tool_dicts()
+        if tools is not None and len(tools) > self.limits.max_tools:
+            raise InvalidParameter("tools", f"the request lists {len(tools)} tools, more than the limit of "
+                                            f"{self.limits.max_tools} (--max-tools)")
+        kwargs = request.chat_template_kwargs
+        if kwargs and len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise InvalidParameter("chat_template_kwargs", f"chat_template_kwargs is larger than "
+                                                           f"{MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
         try:
-            return render_chat(
+            render = chat_render_request(
                 self.tokenizer,
                 [m.for_template() for m in request.messages],
-                chat_template=request.chat_template or self.engine.config.frontend.chat_template,
-                tools=request.tool_dicts(),
+                chat_template=request.chat_template or self.limits.chat_template,
+                tools=tools,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 template_kwargs=request.chat_template_kwargs,
             )
         except ValueError as error:
             raise InvalidParameter("messages", str(error)) from None
+        return self.sandbox.render_chat(render)
 
     # ---- running -------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Chat templates as users set them: --chat-template (a file or the template
-itself), a request's own chat_template, and continue_final_message, over
+itself), a request's own chat_template (--trust-request-chat-template), and continue_final_message, over
 HTTP and in fleet.LLM. transformers' apply_chat_template on the same
 conversation is the oracle for the prompt tokens."""
 from __future__ import annotations
@@ -53,7 +53,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("template") / "template.jinja"
     path.write_text(TEMPLATE)
     server = Server(str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "4M",
-                    "--chat-template", str(path))
+                    "--chat-template", str(path), "--trust-request-chat-template")
     yield server
     assert server.stop() == 0
     server.assert_nothing_left()

@@ -22,7 +22,8 @@ PROMPT = "hello world, this is a test"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    server = Server(str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "16M", "--max-model-len", "2048")
+    server = Server(str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "16M", "--max-model-len", "2048",
+                    "--max-prompt-chars", "8M")  # a large prompt to tokenise
     yield server
     assert server.stop() == 0
 
@@ -244,7 +245,7 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(server):
 
 
 def test_health_answers_while_a_large_prompt_is_tokenised(server):
-    """Tokenising 6 MB takes seconds; it runs beside the event loop, not on it."""
+    """Tokenising 6 MB (allowed by --max-prompt-chars) takes seconds; it runs beside the event loop, not on it."""
     tokenized: list[httpx.Response] = []
     worker = threading.Thread(target=lambda: tokenized.append(
         server.post("/tokenize", json={"prompt": "hello world " * 500_000})))
