@@ -16,6 +16,11 @@ MAX_N = 128
 """Most completions one request may ask for: each is an engine request, and on
 a CPU that computes tens of tokens a second more would hold the engine for
 hours (vLLM allows 16384 on GPUs)."""
+MAX_STOP = 64
+"""Most stop strings, and most stop_token_ids, one request may give: each is
+checked at every token of every sequence (OpenAI allows 4 stop strings)."""
+MAX_STOP_CHARS = 1024
+"""Longest stop string: the text searched at each token is this long."""
 MAX_LOGIT_BIAS = 100.0
 """logit_bias values must lie in [-100, 100] (OpenAI's and vLLM's bound)."""
 INT64 = range(-(2**63), 2**63)
@@ -171,7 +176,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
                 f"prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs}",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            ("stop", len(self.stop) <= MAX_STOP, f"at most {MAX_STOP} stop strings, got {len(self.stop)}"),
+            ("stop", all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+             f"stop strings must be at most {MAX_STOP_CHARS} characters"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP,
+             f"at most {MAX_STOP} stop_token_ids, got {len(self.stop_token_ids)}"),
         ]
         for param, ok, message in checks:
             if not ok:

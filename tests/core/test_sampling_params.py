@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fleet.core.sampling_params import MAX_N, InvalidParameter, SamplingParams
+from fleet.core.sampling_params import MAX_N, MAX_STOP, MAX_STOP_CHARS, InvalidParameter, SamplingParams
 
 VOCAB = 512
 
@@ -31,6 +31,9 @@ VOCAB = 512
         (dict(temperature=math.nan), "temperature"),
         (dict(n=MAX_N + 1), "n"),
         (dict(n=0), "n"),
+        (dict(stop=["s"] * (MAX_STOP + 1)), "stop"),
+        (dict(stop=["s" * (MAX_STOP_CHARS + 1)]), "stop"),
+        (dict(stop_token_ids=[3] * (MAX_STOP + 1)), "stop_token_ids"),
     ],
 )
 def test_refused_with_the_field_named(fields, param):
@@ -46,6 +49,7 @@ def test_refused_with_the_field_named(fields, param):
         dict(stop_token_ids=[0, VOCAB - 1], min_tokens=2),
         dict(seed=2**63 - 1, top_k=VOCAB * 4),
         dict(n=MAX_N),
+        dict(stop=["s" * MAX_STOP_CHARS] * MAX_STOP, stop_token_ids=[3] * MAX_STOP),
     ],
 )
 def test_values_at_the_bounds_pass(fields):
