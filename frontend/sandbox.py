@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import select
+import signal
 import struct
 import subprocess
 import threading
@@ -30,6 +31,8 @@ from fleet.core.sampling_params import InvalidParameter, StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 FRAME_HEADER = struct.Struct("<I")
+CRASH_CAUSES = {"SIGSEGV": ": a grammar nested too deeply overflows llguidance's stack",
+                "SIGABRT": ": native code ran out of memory"}
 START_TIMEOUT_S = 60.0
 """A fresh process's start (Python and jinja2 imported) on a loaded machine; not a request's budget."""
 
@@ -142,7 +145,7 @@ class SandboxProcess:
                 return self._decoder.decode(frame)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise SandboxGone(f"it ran past its budget of {timeout:g} s")
+                raise SandboxGone(f"it ran past the budget of {timeout:g} s")
             readable, _, _ = select.select([fd], [], [], left)
             if readable:
                 chunk = os.read(fd, 1 << 20)
@@ -162,7 +165,10 @@ class SandboxProcess:
 
     def _exit_description(self) -> str:
         code = self.popen.wait(timeout=5)
-        return f"it was killed by signal {-code}" if code < 0 else f"it exited with code {code}"
+        if code >= 0:
+            return f"the sandbox process exited with code {code}"
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        return f"the sandbox process crashed ({name}{CRASH_CAUSES.get(name, '')})"
 
     def kill(self) -> None:
         if self.popen.poll() is None:
@@ -216,7 +222,7 @@ class Sandbox:
             logger.warning("%s: %s failed: %s; starting a fresh one", process.name, what, gone)
             process.kill()
             process = self._start()
-            raise InvalidParameter(param, f"{what} was stopped: {gone} (--sandbox-timeout {self.timeout:g} s, "
+            raise InvalidParameter(param, f"{what} failed: {gone} (limits: --sandbox-timeout {self.timeout:g} s, "
                                           f"--sandbox-memory-bytes {self.info.memory_bytes})") from None
         finally:
             self._idle.put(process)

@@ -77,7 +77,7 @@ HOSTILE = {
         "messages", ["--sandbox-timeout"]),
     "3,000 chained grammar rules": ("/v1/chat/completions",
                                     chat(structured_outputs={"grammar": chained_grammar(3000)}),
-                                    "structured_outputs", ["signal"]),
+                                    "structured_outputs", ["crashed", "SIGSEGV"]),
     "50,000 choices": ("/v1/chat/completions", chat(structured_outputs={"choice": [f"c{i}" for i in range(50000)]}),
                        "structured_outputs", ["--max-structured-choices"]),
     "(a{1000}){1000}": ("/v1/completions", {"prompt": "x", "max_tokens": 2,
