@@ -100,6 +100,9 @@ class APIServerPlan(msgspec.Struct):
     """The engines it balances: every replica (internal LB) or its launch's own."""
     load_address: str | None
     """The DP coordinator's load table, when the coordinator runs on this node."""
+    sandbox_processes: int
+    """Its children that render chat templates and check grammars
+    (frontend/sandbox.py), named by core.process_names.sandbox_name."""
 
 
 class CoordinatorPlan(msgspec.Struct):

@@ -104,7 +104,8 @@ def build_node_plan(config: FleetConfig) -> NodePlan:
         url = f"http://{config.frontend.host}:{config.frontend.port}"
         load_address = coordinator.addresses.loads if coordinator is not None else None
         api_servers = [
-            APIServerPlan(api_server_name(index), index, url, addresses, engines_per_api_server(parallel), load_address)
+            APIServerPlan(api_server_name(index), index, url, addresses, engines_per_api_server(parallel), load_address,
+                          config.frontend.sandbox_processes)
             for index, addresses in enumerate(clients)
         ]
     job_store = StoreLocation(parallel.master_addr, parallel.master_port, "launcher") if parallel.nnodes > 1 else None

@@ -1,7 +1,7 @@
 """What hostile requests cost a real launch of the default model (issue 31's
 cases), and how long a small chat waits while large n requests run.
 
-    python -P scripts/bench_request_limits.py [-- extra launch flags]
+    python -P scripts/bench_request_limits.py [--launch-args "extra fleet launch flags"]
 
 Starts `fleet launch --kv-cache-memory-bytes 512M --trust-request-chat-template`,
 then prints for each hostile request its status and seconds, and the API
@@ -11,7 +11,9 @@ another client, and prints that chat's latency and the big requests' progress.
 """
 from __future__ import annotations
 
+import argparse
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -95,8 +97,10 @@ def _post_ignoring_errors(url: str, body: dict) -> None:
 
 
 def main() -> None:
-    extra = sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else []
-    proc, url = launch(extra)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--launch-args", default="", help="more `fleet launch` flags, as one shell-quoted string")
+    args = parser.parse_args()
+    proc, url = launch(shlex.split(args.launch_args))
     try:
         hostile_requests(url, api_server(proc))
         small_chat_beside_large_requests(url)

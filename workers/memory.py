@@ -48,6 +48,12 @@ SERVICE_PROCESS_BYTES = 384 * 2**20
 """Each launcher, API server, engine core or coordinator (measured for the default model:
 launcher 52 MiB, API server 320 MiB, engine core 32 MiB resident)."""
 
+SANDBOX_PROCESS_BYTES = 128 * 2**20
+"""Each API server's sandbox process (frontend/sandbox.py; measured for the
+default model: 32 MiB idle, 84 MiB once it has loaded the tokenizer to check a
+grammar). A hostile render may briefly take up to --sandbox-memory-bytes
+before it is refused; that is not budgeted."""
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ACTIVATION_BYTES = 4
 """Activations are budgeted as float32: logits and sampling run in it."""
@@ -73,6 +79,7 @@ class NodeMemory(NamedTuple):
     """The node's memory: physical RAM, or the cgroup's limit when lower."""
     num_workers: int
     num_service_processes: int
+    num_sandbox_processes: int
     worker: WorkerMemory
     kv_cache_source: str
     """How each worker's KV cache was sized: the flag, the node's share, or the launch's use."""
@@ -80,7 +87,12 @@ class NodeMemory(NamedTuple):
     @property
     def footprint(self) -> int:
         """Everything this launch may use on the node once its KV caches are full."""
-        return self.num_workers * self.worker.total + self.num_service_processes * SERVICE_PROCESS_BYTES
+        return self.num_workers * self.worker.total + self.service_bytes
+
+    @property
+    def service_bytes(self) -> int:
+        """The launcher, API servers, engines, coordinator and sandbox processes."""
+        return self.num_service_processes * SERVICE_PROCESS_BYTES + self.num_sandbox_processes * SANDBOX_PROCESS_BYTES
 
     def summary(self) -> dict[str, object]:
         """What `fleet plan` shows."""
@@ -88,6 +100,7 @@ class NodeMemory(NamedTuple):
             "node_bytes": self.node_bytes,
             "workers": self.num_workers,
             "service_processes": self.num_service_processes,
+            "sandbox_processes": self.num_sandbox_processes,
             "per_worker": self.worker._asdict(),
             "kv_cache_per_worker": human_bytes(self.worker.kv_cache),
             "kv_cache_sized_by": self.kv_cache_source,
@@ -103,7 +116,7 @@ def node_memory(config: FleetConfig, node_bytes: int | None = None, num_workers:
     node_bytes = node_memory_bytes() if node_bytes is None else node_bytes
     parallel = config.parallel
     workers = len(node_worker_ranks(parallel)) if num_workers is None else num_workers
-    services = num_service_processes(config)
+    services, sandboxes = num_service_processes(config), num_sandbox_processes(config)
     weights, activations = worker_weight_bytes(config), worker_activation_bytes(config)
     runtime = WORKER_RUNTIME_BYTES + (COMPILED_DECODE_BYTES if config.compilation.mode == "torch_compile" else 0)
     fixed = WorkerMemory(weights, activations, runtime, 0)
@@ -111,13 +124,13 @@ def node_memory(config: FleetConfig, node_bytes: int | None = None, num_workers:
         kv_cache, source = int(config.cache.kv_cache_memory_bytes), "--kv-cache-memory-bytes"
     else:
         fleet_share = config.cache.gpu_memory_utilization * node_bytes
-        spare = fleet_share - workers * fixed.total - services * SERVICE_PROCESS_BYTES
+        spare = fleet_share - workers * fixed.total - services * SERVICE_PROCESS_BYTES - sandboxes * SANDBOX_PROCESS_BYTES
         node_kv = max(0.0, min(KV_SHARE_OF_NODE * node_bytes, spare))
         kv_cache, source = int(node_kv // max(workers, 1)), "the node's share"
         usable = usable_kv_cache_bytes(config)
         if usable <= kv_cache:
             kv_cache, source = usable, "--max-num-seqs x --max-model-len"
-    plan = NodeMemory(node_bytes, workers, services, fixed._replace(kv_cache=kv_cache), source)
+    plan = NodeMemory(node_bytes, workers, services, sandboxes, fixed._replace(kv_cache=kv_cache), source)
     _check_one_sequence_fits(config, plan)
     return plan
 
@@ -137,6 +150,12 @@ def num_service_processes(config: FleetConfig) -> int:
     parallel = config.parallel
     api_servers = config.frontend.api_server_count if runs_api_servers(parallel) else 0
     return 1 + api_servers + len(node_engine_ranks(parallel)) + int(runs_dp_coordinator(parallel))
+
+
+def num_sandbox_processes(config: FleetConfig) -> int:
+    """The sandbox processes of this node's API servers."""
+    api_servers = config.frontend.api_server_count if runs_api_servers(config.parallel) else 0
+    return api_servers * config.frontend.sandbox_processes
 
 
 def _check_one_sequence_fits(config: FleetConfig, plan: NodeMemory) -> None:
@@ -172,7 +191,8 @@ def check_fits(plan: NodeMemory, free_bytes: int | None = None) -> None:
         f"{plan.num_workers} worker(s) x (weights {human_bytes(worker.weights)} + activations "
         f"{human_bytes(worker.activations)} + runtime {human_bytes(worker.runtime)} + KV cache "
         f"{human_bytes(worker.kv_cache)}) + {plan.num_service_processes} other processes x "
-        f"{human_bytes(SERVICE_PROCESS_BYTES)}; lower --kv-cache-memory-bytes, --max-num-batched-tokens or "
+        f"{human_bytes(SERVICE_PROCESS_BYTES)} + {plan.num_sandbox_processes} sandbox processes x "
+        f"{human_bytes(SANDBOX_PROCESS_BYTES)}; lower --kv-cache-memory-bytes, --max-num-batched-tokens or "
         "--max-num-seqs, run fewer workers on this node (--tp, --pp, --dp), or stop other launches"
     )
 

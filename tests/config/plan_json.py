@@ -7,11 +7,14 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from fleet.core.process_names import sandbox_name
+
 
 def planned_processes(plan: dict[str, Any]) -> list[dict[str, Any]]:
     """Every process of the node plan, each with its `kind`: API servers, the
-    coordinator, engine cores, then workers (each engine's, then those of
-    engines on other nodes)."""
+    coordinator, engine cores, workers (each engine's, then those of engines
+    on other nodes), then each API server's sandbox processes."""
+
     node = plan["node"]
     processes = [{"kind": "api_server", **server} for server in node["api_servers"]]
     if node["dp_coordinator"] is not None:
@@ -20,6 +23,8 @@ def planned_processes(plan: dict[str, Any]) -> list[dict[str, Any]]:
     workers = [worker for engine in node["engine_cores"] for worker in engine["workers"]]
     workers.extend(node["workers_of_remote_engines"])
     processes.extend({"kind": "worker", **worker} for worker in workers)
+    processes.extend({"kind": "sandbox", "name": sandbox_name(server["index"], number)}
+                     for server in node["api_servers"] for number in range(1, server["sandbox_processes"] + 1))
     return processes
 
 

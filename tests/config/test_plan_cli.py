@@ -44,7 +44,7 @@ def test_plan_subprocess_tp2_dp2(llama_config_dir):
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert PLAN_KEYS <= plan.keys()
-    assert kinds(plan) == {"api_server": 1, "dp_coordinator": 1, "engine_core": 2, "worker": 4}
+    assert kinds(plan) == {"api_server": 1, "dp_coordinator": 1, "engine_core": 2, "worker": 4, "sandbox": 2}
     assert [e["worker_ranks"] for e in of_kind(plan, "engine_core")] == [[0, 1], [2, 3]]
     workers = of_kind(plan, "worker")
     assert [(w["rank"], w["dp_rank"], w["pp_rank"], w["tp_rank"]) for w in workers] == [
@@ -108,7 +108,7 @@ def test_plan_subprocess_bad_combination_exits_2_with_one_line(llama_config_dir)
 def test_main_plan_prints_json(llama_config_dir, capsys):
     assert main(["plan", str(llama_config_dir), "--device", "cpu", "--api-server-count", "2"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert kinds(plan) == {"api_server": 2, "engine_core": 1, "worker": 1}
+    assert kinds(plan) == {"api_server": 2, "engine_core": 1, "worker": 1, "sandbox": 4}
 
 
 def test_main_plan_resolution_error_exits_2(llama_config_dir, capsys):
@@ -141,7 +141,7 @@ def test_version_of_the_command_line():
 
 def test_one_replica_has_no_coordinator_and_uses_ipc(llama_config_dir):
     plan = plan_of(llama_config_dir)
-    assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 1}
+    assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 1, "sandbox": 2}
     assert plan["node"]["engine_transport"] == "ipc"
     assert engine_plan(plan)["store"] is None, "a world of one worker needs no store"
     assert plan["device"]["distributed_backend"] == "gloo"
@@ -177,7 +177,7 @@ def test_process_names(llama_config_dir):
 
 def test_node_zero_of_a_split_replica(llama_config_dir):
     plan = plan_of(llama_config_dir, tensor_parallel_size=4, nnodes=2, node_rank=0)
-    assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 2}
+    assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 2, "sandbox": 2}
     assert of_kind(plan, "engine_core")[0]["worker_ranks"] == [0, 1, 2, 3]
     assert [w["rank"] for w in engine_plan(plan)["workers"]] == [0, 1], "the executor starts this node's two"
     assert plan["node"]["engine_transport"].startswith("tcp://")
@@ -196,14 +196,14 @@ def test_hybrid_node_serves_http_for_its_own_replicas(llama_config_dir):
         node_rank=1, master_addr="10.0.0.1",
     )  # fmt: skip
     assert plan["parallel"]["data_parallel_hybrid_lb"] is True
-    assert kinds(plan) == {"api_server": 1, "engine_core": 2, "worker": 2}, "the coordinator lives beside rank 0"
+    assert kinds(plan) == {"api_server": 1, "engine_core": 2, "worker": 2, "sandbox": 2}, "the coordinator lives beside rank 0"
     assert [e["dp_rank"] for e in of_kind(plan, "engine_core")] == [2, 3]
 
 
 def test_external_launch_runs_one_replica(moe_config_dir):
     plan = plan_of(moe_config_dir, data_parallel_size=4, data_parallel_rank=3, enable_expert_parallel=True)
     assert plan["parallel"]["data_parallel_external_lb"] is True
-    assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 1}
+    assert kinds(plan) == {"api_server": 1, "engine_core": 1, "worker": 1, "sandbox": 2}
     assert of_kind(plan, "engine_core")[0]["dp_rank"] == 3
     assert plan["groups"]["ep"] == [[0, 1, 2, 3]]
     assert plan["model"]["is_moe"] is True
@@ -211,7 +211,7 @@ def test_external_launch_runs_one_replica(moe_config_dir):
 
 def test_external_rank_zero_runs_the_coordinator(moe_config_dir):
     plan = plan_of(moe_config_dir, data_parallel_size=2, data_parallel_rank=0)
-    assert kinds(plan) == {"api_server": 1, "dp_coordinator": 1, "engine_core": 1, "worker": 1}
+    assert kinds(plan) == {"api_server": 1, "dp_coordinator": 1, "engine_core": 1, "worker": 1, "sandbox": 2}
 
 
 def test_cuda_workers_get_local_devices(llama_config_dir):
@@ -246,7 +246,7 @@ def test_coordinator_addresses_follow_the_launch_layout(moe_config_dir, llama_co
         moe_config_dir, data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2,
         enable_expert_parallel=True, data_parallel_address="10.0.0.1", data_parallel_rpc_port=5000,
     )  # fmt: skip
-    assert kinds(hybrid) == {"api_server": 1, "engine_core": 2, "worker": 2}
+    assert kinds(hybrid) == {"api_server": 1, "engine_core": 2, "worker": 2, "sandbox": 2}
     assert hybrid["parallel"]["replicas_step_together"] is True
     assert hybrid["node"]["dp_coordinator"] is None, "it runs beside rank 0, on the other launch"
     remote = engine_plan(hybrid)["coordinator"]
