@@ -36,6 +36,9 @@ class EngineCoreRequest(Struct, tag=True):
     pooling: str | None = None
     """"last" or "mean": an embedding request. Its prompt is computed and its
     pooled final hidden state comes back (EngineCoreOutput.embedding); no token is sampled."""
+    parent_request_id: str | None = None
+    """The user request this is one of the n sequences of (n > 1); None: the request is its own.
+    The scheduler shares the batch fairly between such groups (core/scheduler.py)."""
 
 
 class Abort(Struct, tag=True):

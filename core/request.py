@@ -73,6 +73,8 @@ class Request:
         block_size: int | None = None,
     ):
         self.request_id: str = core_request.request_id
+        self.group_id: str = core_request.parent_request_id or core_request.request_id
+        """The user request it is one of the n sequences of (itself when n = 1): the unit of fair share."""
         self.client_index: int = core_request.client_index
         self.priority: int = core_request.priority
         self.arrival_time: float = core_request.arrival_time

@@ -12,6 +12,29 @@ One step, as the engine core drives it:
 When only finished ids or abort outputs are pending (has_finished_requests), the
 SchedulerOutput schedules no token; the engine core may skip the executor and pass an empty
 ModelRunnerOutput with its step_id.
+
+Fair share. A user request with n = 64 is 64 engine requests of one group
+(Request.group_id); without care four of them fill the batch for minutes and a
+4-token chat waits behind all 256 sequences. So groups share the batch:
+  - Admission takes the waiting request whose group runs the fewest sequences
+    (request_queue.py: ties, and the priority policy, keep their order). The head
+    blocks the rest, so a big prompt is not starved by small ones.
+  - When that head finds no room (max_num_seqs, or too few KV blocks) and its group
+    runs at least two sequences fewer than the biggest group, the biggest group's
+    most recently admitted sequence is preempted (recomputed later) to make room for
+    that one request (so groups rebalance by one sequence a step), before the running
+    requests are scheduled, so no request scheduled this step is ever the victim; at
+    most MAX_FAIR_SHARE_PREEMPTIONS_PER_STEP a step. Each such swap narrows the gap
+    between two groups, so swaps cannot go round in circles.
+  - A running request short of blocks preempts, among itself and the requests not
+    yet scheduled this step, the biggest group's latest sequence (with groups of one,
+    the last request, as before), so a newly admitted small request is not the first
+    to go.
+  - A step that preempted admits only heads of under-served groups (never a request
+    preempted in the same step): admitting while evicting only thrashes the cache, but
+    big groups that keep growing and preempting each other must not lock a small one out.
+Under the priority policy, priority comes first everywhere: fair share never preempts
+a request of better priority than the waiting one, nor admits a worse one ahead of it.
 """
 from __future__ import annotations
 
@@ -32,6 +55,9 @@ from fleet.core.messages import (
 from fleet.core.request import Request, RequestStatus
 from fleet.core.request_queue import FCFSQueue, PriorityQueue, priority_key
 from fleet.core.step_builder import SchedulerOutputBuilder, StepBudget
+
+MAX_FAIR_SHARE_PREEMPTIONS_PER_STEP = 4
+"""Sequences one step may preempt to let an under-served group in (module docstring)."""
 
 
 def _check_configs(
@@ -125,7 +151,7 @@ class Scheduler:
             if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+                self._remove_running(request)
             else:
                 self.waiting.remove(request)
             request.finish(RequestStatus.FINISHED_ABORTED)
@@ -136,15 +162,62 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = StepBudget(token_budget=self.max_num_batched_tokens)
+        made_room_for = self._preempt_for_fair_share(step)
         self._schedule_running(step)
-        if not step.preempted:
-            # Admitting while evicting would only thrash the cache.
-            self._schedule_waiting(step)
+        self._schedule_waiting(step, made_room_for)
         self.step_counter += 1
         return self._output_builder.build(self.step_counter, step)
 
+    def _preempt_for_fair_share(self, step: StepBudget) -> Request | None:
+        """Make room for the waiting head if it finds none and its group is under-served; returns
+        it if anything was preempted for it. Runs before anything is scheduled this step, so no
+        victim is in the step. The victims' groups still run more than the head's: it stays the head."""
+        if not self.waiting:
+            return None
+        request = self.waiting.peek()
+        num_preempted = 0
+        while num_preempted < MAX_FAIR_SHARE_PREEMPTIONS_PER_STEP and not self._finds_room(request):
+            victim = self._fair_share_victim(request)
+            if victim is None:
+                break
+            self._preempt(victim)
+            step.preempted.append(victim)
+            num_preempted += 1
+        return request if num_preempted else None
+
+    def _finds_room(self, request: Request) -> bool:
+        """Whether `request` could be admitted now: a free sequence slot, and free blocks for its
+        next chunk (an estimate: the running requests' growth this step is not counted)."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        kv = self.kv_cache_manager
+        computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
+        num_tokens = min(request.num_tokens, num_computed_tokens + self.max_num_batched_tokens)
+        num_held_hits = sum(1 for block in computed_blocks if block.ref_count > 0)  # cost no free block
+        return -(-num_tokens // self.block_size) - num_held_hits <= kv.num_free_blocks
+
+    def _fair_share_victim(self, waiting_request: Request) -> Request | None:
+        """The running sequence to preempt for `waiting_request`: the latest of the biggest group,
+        if that group runs at least two more sequences than the waiting one's (one more and
+        the swap would only trade places). None: the waiting request's group is not under-served.
+        Under the priority policy only requests of no better priority are candidates."""
+        candidates = self.running
+        if self.policy == "priority":
+            candidates = [r for r in candidates if r.priority >= waiting_request.priority]
+        victim = self._latest_of_biggest_group(candidates)
+        num_running = self.waiting.num_running
+        if victim is None or num_running(victim.group_id) < num_running(waiting_request.group_id) + 2:
+            return None
+        return victim
+
+    def _latest_of_biggest_group(self, candidates: list[Request]) -> Request | None:
+        """The candidate of the group with the most running sequences that comes last in `running`
+        (the most recently admitted; ties between groups: the later one too)."""
+        num_running = self.waiting.num_running
+        return max(reversed(candidates), key=lambda request: num_running(request.group_id), default=None)
+
     def _schedule_running(self, step: StepBudget) -> None:
-        """Running requests in policy order; the last one is the first to be preempted."""
+        """Running requests in policy order; one short of blocks preempts one not yet scheduled."""
         if self.policy == "priority":
             self.running.sort(key=priority_key)
         index = 0
@@ -152,30 +225,44 @@ class Scheduler:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
             assert num_new_tokens > 0, f"running {request} has nothing to compute"
-            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, step)
-            if new_block_ids is None:
-                break
-            step.add(request, num_new_tokens, new_block_ids)
-            index += 1
+            new_block_ids = self._allocate_or_preempt(index, num_new_tokens, step)
+            if new_block_ids is not None:
+                step.add(request, num_new_tokens, new_block_ids)
+                index += 1
+            # else it was preempted itself, and the next request moved up to `index`.
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: StepBudget) -> list[int] | None:
-        """Preempt from the back of `running` until `request` fits; None if it was preempted itself.
-        Requests scheduled earlier this step sit before it, so they are never the victim."""
+    def _allocate_or_preempt(self, index: int, num_new_tokens: int, step: StepBudget) -> list[int] | None:
+        """Preempt until `running[index]` fits; None if it was preempted itself. Victims come from
+        `running[index:]`: requests scheduled earlier this step sit before it and are never the victim."""
+        request = self.running[index]
         while True:
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_block_ids is not None:
                 return new_block_ids
-            victim = self.running[-1]
+            victim = self._growth_victim(index)
             self._preempt(victim)
             step.preempted.append(victim)
             if victim is request:
                 return None
 
-    def _schedule_waiting(self, step: StepBudget) -> None:
-        """Admit from the head of the waiting queue; the head blocks the rest (no starvation)."""
+    def _growth_victim(self, index: int) -> Request:
+        """Who gives up its blocks when `running[index]` needs more: among it and the requests
+        after it, the latest of the biggest group; under the priority policy, of the worst
+        priority first (`running` is sorted, so the last request has it)."""
+        candidates = self.running[index:]
+        if self.policy == "priority":
+            worst = candidates[-1].priority
+            candidates = [r for r in candidates if r.priority == worst]
+        return self._latest_of_biggest_group(candidates)
+
+    def _schedule_waiting(self, step: StepBudget, made_room_for: Request | None) -> None:
+        """Admit from the head of the waiting queue; the head blocks the rest (no starvation).
+        `made_room_for`: the head that fair share preempted for this step."""
         kv = self.kv_cache_manager
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if step.preempted and not self._admits_while_preempting(request, step, made_room_for):
+                break
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > step.token_budget:
@@ -188,10 +275,22 @@ class Scheduler:
             self.waiting.pop()
             request.start_running(num_computed_tokens)
             self.running.append(request)
+            self.waiting.started_running(request)
             step.add(request, num_new_tokens, new_block_ids)
 
-    def _preempt(self, request: Request) -> None:
+    def _admits_while_preempting(self, request: Request, step: StepBudget, made_room_for: Request | None) -> bool:
+        """In a step that preempted, admitting would mostly thrash the cache: only the request fair
+        share made room for, or one of an under-served group, gets in (never one preempted this step)."""
+        if request is made_room_for:
+            return True
+        return request not in step.preempted and self._fair_share_victim(request) is not None
+
+    def _remove_running(self, request: Request) -> None:
         self.running.remove(request)
+        self.waiting.stopped_running(request)
+
+    def _preempt(self, request: Request) -> None:
+        self._remove_running(request)
         self.kv_cache_manager.free(request)
         request.preempt()
         self.waiting.prepend(request)
@@ -229,7 +328,7 @@ class Scheduler:
                 output = self._apply_sample(request, runner_output, sample_index.get(request_id))
             self.kv_cache_manager.cache_full_blocks(request)
             if request.is_finished:
-                self.running.remove(request)
+                self._remove_running(request)
                 self._release(request)
             if output is not None:
                 outputs.append(output)

@@ -99,7 +99,8 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 def child_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
                    client_index: int, priority: int = 0, pooling: str | None = None) -> list[EngineCoreRequest]:
-    """The n engine requests of one user request: n = 1 each, distinct seeds
+    """The n engine requests of one user request: n = 1 each, distinct seeds, and for n > 1
+    the user request's id as parent_request_id, so the scheduler counts them as one group
     (`pooling`: an embedding request, see EngineCoreRequest.pooling)."""
     children = []
     for index in range(params.n):
@@ -107,7 +108,8 @@ def child_requests(request_id: str, prompt_token_ids: list[int], params: Samplin
         child_params = SamplingParams(**{**_fields(params), "n": 1, "seed": seed})
         children.append(
             EngineCoreRequest(child_request_id(request_id, index, params.n), prompt_token_ids, child_params,
-                              arrival_time, client_index, priority, pooling)
+                              arrival_time, client_index, priority, pooling,
+                              parent_request_id=request_id if params.n > 1 else None)
         )
     return children
 
