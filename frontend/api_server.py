@@ -155,7 +155,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox) -> Fas
         if serving.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         if body.messages is not None:
-            text = await off_loop(serving.chat_prompt, ChatCompletionRequest(messages=body.messages))
+            text = await off_loop(serving.chat_prompt, body.as_chat())
             tokens = await off_loop(serving.tokenizer.encode, text, add_special_tokens=False)
         elif body.prompt is not None:
             serving.check_prompt_chars(body.prompt, "prompt")

@@ -39,25 +39,46 @@ class RequestBody(OpenAIBase):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unencodable(cls, data: Any) -> Any:
-        _check_encodable(data, [])
+        _check_encodable(data)
         return data
 
 
-def _check_encodable(value: Any, path: list[str | int]) -> None:
-    where = ".".join(str(part) for part in path) or "body"
-    if isinstance(value, str):
-        if LONE_SURROGATE.search(value):
-            raise InvalidParameter(where, f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode")
-    elif isinstance(value, int) and not isinstance(value, bool):
-        if value not in INT64:
-            raise InvalidParameter(where, f"{where} must be a 64-bit integer, got {value}")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_encodable(key, path)
-            _check_encodable(item, [*path, key])
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_encodable(item, [*path, index])
+MAX_BODY_DEPTH = 100
+"""Nesting of lists and objects a body may have: deeper ones are refused before
+anything (pydantic, the JSON schema compiler, a template's tojson) recurses into them."""
+
+
+def _check_encodable(body: Any) -> None:
+    """Walks the body without recursion, so no nesting can exhaust the stack."""
+    pending: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
+    while pending:
+        value, path = pending.pop()
+        if len(path) > MAX_BODY_DEPTH:
+            field = str(path[0])
+            raise InvalidParameter(field, f"{field} nests deeper than {MAX_BODY_DEPTH} levels of lists and objects")
+        if isinstance(value, str):
+            if LONE_SURROGATE.search(value):
+                raise _lone_surrogate(path)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if value not in INT64:
+                where = _where(path)
+                raise InvalidParameter(where, f"{where} must be a 64-bit integer, got {value}")
+        elif isinstance(value, dict):
+            for key in value:  # before any item: an error names its path, which must be valid Unicode
+                if LONE_SURROGATE.search(key):
+                    raise _lone_surrogate(path)
+            pending.extend((item, (*path, key)) for key, item in value.items())
+        elif isinstance(value, list):
+            pending.extend((item, (*path, index)) for index, item in enumerate(value))
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    return ".".join(str(part) for part in path) or "body"
+
+
+def _lone_surrogate(path: tuple[str | int, ...]) -> InvalidParameter:
+    where = _where(path)
+    return InvalidParameter(where, f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode")
 
 
 class StreamOptions(OpenAIBase):
@@ -356,10 +377,22 @@ class EmbeddingRequest(RequestBody):
 
 
 class TokenizeRequest(RequestBody):
+    """vLLM's /tokenize: a prompt, or messages rendered as a chat request with the same fields renders them."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request whose prompt these messages are."""
+        fields = ("messages", "add_generation_prompt", "continue_final_message", "tools", "chat_template",
+                  "chat_template_kwargs")
+        return ChatCompletionRequest(**{field: getattr(self, field) for field in fields})
 
 
 class DetokenizeRequest(RequestBody):

@@ -118,6 +118,8 @@ def _checked(grammars: GrammarChecker, constraint: StructuredOutputsParams):
         why = grammars.check(constraint)
     except (ValueError, MemoryError) as error:
         why = f"the structured output constraint cannot be used: {error}"
+    except RecursionError:  # a JSON schema given as text, nested past Python's recursion limit
+        why = "the structured output constraint cannot be used: it nests too deeply"
     return GrammarAccepted() if why is None else Refused(why)
 
 

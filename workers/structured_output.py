@@ -68,10 +68,13 @@ class GrammarState:
 
         if self.matcher is None:
             self.matcher = LLMatcher(self.grammars.tokenizer(), self.params.to_llguidance(), log_level=0)
-        new_tokens = output_token_ids[self.num_consumed :]
-        if new_tokens:
-            self.matcher.consume_tokens(new_tokens)
-            self.num_consumed = len(output_token_ids)
+        for token in output_token_ids[self.num_consumed :]:
+            if self.matcher.is_stopped():
+                # The grammar is complete: its mask allows only EOS, and with ignore_eos
+                # EOS follows EOS until max_tokens. The matcher takes nothing after its end.
+                break
+            self.matcher.consume_token(token)
+        self.num_consumed = len(output_token_ids)
         if not self.matcher.is_error():
             self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         if self.matcher.is_error():

@@ -167,6 +167,17 @@ def test_a_streamed_constrained_answer_validates_whole(client, server):
 
 
 @pytest.mark.slow
+def test_ignore_eos_runs_a_complete_grammar_to_max_tokens(client, server):
+    """Once the grammar is complete only EOS may follow; ignore_eos keeps
+    sampling it until max_tokens, and the text stays the grammar's."""
+    completion = chat(client, server, max_tokens=12, extra_body={"structured_outputs": {"choice": CHOICE},
+                                                                 "ignore_eos": True})
+    (choice,) = completion.choices
+    assert choice.message.content in CHOICE
+    assert choice.finish_reason == "length" and completion.usage.completion_tokens == 12
+
+
+@pytest.mark.slow
 def test_bad_constraints_are_a_400_naming_the_field(client, server):
     with pytest.raises(openai.BadRequestError) as bad_regex:
         chat(client, server, extra_body={"structured_outputs": {"regex": "a(b"}})

@@ -135,6 +135,19 @@ def test_hostile_requests_cost_a_400_and_nothing_else(server):
     assert max(busy.values()) < 50, busy
 
 
+def test_a_body_nested_past_the_stack_is_a_400(server):
+    """JSON nested ~1,000 deep parses, and every walk of it that recurses would run out of stack."""
+    for depth in (150, 950, 5000):
+        nested = "[" * depth + "]" * depth
+        content = json.dumps({"model": model(server), **chat()})[:-1] + f', "chat_template_kwargs": {{"x": {nested}}}}}'
+        response = httpx.post(server.url + "/v1/chat/completions", content=content,
+                              headers={"content-type": "application/json"}, timeout=ANSWER_WITHIN_S)
+        assert response.status_code == 400, (depth, response.text)
+        if depth < 1000:  # deeper fails in the JSON parser, with its own message
+            error = response.json()["error"]
+            assert error["param"] == "chat_template_kwargs" and "deeper than 100 levels" in error["message"], error
+
+
 def test_a_legitimate_grammar_and_template_still_serve(server):
     body = chat(structured_outputs={"grammar": chained_grammar(200)}, max_tokens=8)
     response = server.post("/v1/chat/completions", json={"model": model(server), **body})
@@ -145,16 +158,67 @@ def test_a_legitimate_grammar_and_template_still_serve(server):
     response = server.post("/tokenize", json={"model": model(server), "messages": [{"role": "user", "content": "x"}]})
     assert response.status_code == 200
     response = server.post("/v1/chat/completions", json={"model": model(server), **chat(chat_template=doubled)})
-    assert response.json()["usage"]["prompt_tokens"] == len(
-        server.post("/tokenize", json={"prompt": "ab" * 8, "add_special_tokens": False}).json()["tokens"])
+    plain = server.post("/tokenize", json={"prompt": "ab" * 8, "add_special_tokens": False}).json()["tokens"]
+    assert response.json()["usage"]["prompt_tokens"] == len(plain)
+    rendered = server.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}], "chat_template": doubled})
+    assert rendered.json()["tokens"] == plain, "/tokenize renders messages as the chat request does"
+
+
+class LargeRequest:
+    """One `n=64, max_tokens=2000, ignore_eos` completion streamed from a
+    thread until `close()`; `finished` says whether it ended first."""
+
+    BODY = {"prompt": "Write a long story.", "n": 64, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+    def __init__(self, server: Server):
+        self.chunks = 0
+        self.finished = False
+        self.closing = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(server,), daemon=True)
+        self.thread.start()
+
+    def _run(self, server: Server) -> None:
+        body = {"model": model(server), **self.BODY}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if self.closing.is_set():
+                    return  # leaving the block drops the connection: the server aborts the request
+                self.chunks += 1
+                self.finished = line == "data: [DONE]"
+
+    def close(self) -> None:
+        self.closing.set()
+        self.thread.join(60)
+
+
+def test_a_small_chat_is_served_beside_four_n64_requests(server):
+    """Fair share: 256 sequences of four requests fill a 4 MiB KV cache (4,096
+    tokens), and another client's 4-token chat still runs at once, before any
+    of them ends, and answers as it does alone."""
+    small = {"model": model(server), **chat(max_tokens=4, temperature=0)}
+    alone = server.post("/v1/chat/completions", json=small).json()["choices"][0]["message"]["content"]
+    large = [LargeRequest(server) for _ in range(4)]
+    try:
+        sequences = ("fleet:num_requests_running", "fleet:num_requests_waiting")
+        assert server.wait_until(lambda: sum(map(server.metric, sequences)) == 4 * 64, timeout=60), "all accepted"
+        waiting = lambda: server.metric("fleet:num_requests_waiting")
+        assert server.wait_until(lambda: waiting() > 0, timeout=60), "the cache is full: sequences wait for room"
+        response = server.post("/v1/chat/completions", json=small, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == alone
+        assert not any(request.finished for request in large), "the chat waited for a large request to end"
+    finally:
+        for request in large:
+            request.close()
+    assert server.wait_until(lambda: server.metric("fleet:num_requests_running") == 0, timeout=30)
 
 
 def test_a_requests_template_needs_the_flag(tiny_llama_dir):
     server = Server(str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "4M",
                     "--sandbox-processes", "1")
     try:
-        refused(server, "/v1/chat/completions", chat(chat_template="{{ 'x' }}"), "chat_template",
-                "--trust-request-chat-template")
+        for route in ("/v1/chat/completions", "/tokenize"):
+            refused(server, route, chat(chat_template="{{ 'x' }}"), "chat_template", "--trust-request-chat-template")
         refused(server, "/v1/chat/completions", chat(chat_template_kwargs={"big": "x" * 100_000}),
                 "chat_template_kwargs", "bytes")
         assert server.post("/v1/chat/completions", json={"model": model(server), **chat(
