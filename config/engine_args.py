@@ -102,6 +102,9 @@ class EngineArgs:
     master_port: int | None = None
     headless: bool = False
     distributed_timeout_seconds: int = 300
+    replica_restart_policy: Literal["never", "always", "on-failure"] = "on-failure"
+    max_replica_restarts: int = 5
+    engine_step_timeout: float = 300.0
     # cache: CacheConfig
     block_size: int = 16
     kv_cache_memory_bytes: HumanInt | None = None

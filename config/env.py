@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def api_key() -> str | None:
@@ -20,6 +22,20 @@ def cache_dir() -> str:
 def ipc_dir() -> str:
     """FLEET_IPC_DIR: the directory of the ipc:// socket files. Default: the system's temporary directory."""
     return os.environ.get("FLEET_IPC_DIR") or tempfile.gettempdir()
+
+
+@contextmanager
+def ipc_dir_set_to(path: str) -> Iterator[None]:
+    """FLEET_IPC_DIR is `path` in this process, and in the children it starts, until the block ends."""
+    previous = os.environ.get("FLEET_IPC_DIR")
+    os.environ["FLEET_IPC_DIR"] = path
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("FLEET_IPC_DIR", None)
+        else:
+            os.environ["FLEET_IPC_DIR"] = previous
 
 
 def ray_address() -> str | None:

@@ -61,6 +61,14 @@ class ParallelConfig:
     """Run engines and workers only, no API server (the other nodes of an internal-LB job)."""
     distributed_timeout_seconds: int = 300
     """How long a node waits for the others (and every process for its peers) before it gives up."""
+    replica_restart_policy: Literal["never", "always", "on-failure"] = "on-failure"
+    """When a data-parallel replica whose engine core or worker died is restarted while the others serve:
+    on-failure when another replica of this node serves meanwhile, always (a lone replica too), or never (any
+    death ends the job). Single-node launches with the mp backends; MoE with expert parallel never."""
+    max_replica_restarts: int = 5
+    """Replica restarts allowed in any 10 minutes; the death past them ends the job."""
+    engine_step_timeout: float = 300.0
+    """Seconds a replica's step may take before its workers count as hung and the replica as dead."""
     is_moe: bool = field(default=False, metadata=RESOLVED)
     """Resolved from the model: whether it has mixture-of-experts layers."""
 
@@ -97,10 +105,22 @@ class ParallelConfig:
         lock-step: expert-parallel collectives of a MoE model span them."""
         return self.is_moe and self.enable_expert_parallel and self.data_parallel_size > 1
 
+    @property
+    def restarts_replicas(self) -> bool:
+        """Whether a dead replica is restarted while the others serve (--replica-restart-policy).
+        Not with lock-step replicas (a death breaks every replica's collectives), nor yet for replicas
+        on or of several nodes, or started by Ray."""
+        if self.replica_restart_policy == "never" or self.replicas_step_together or self.nnodes > 1:
+            return False
+        if "ray" in (self.data_parallel_backend, self.distributed_executor_backend):
+            return False
+        return self.replica_restart_policy == "always" or (self.data_parallel_size_local or 1) > 1
+
     def as_dict(self) -> dict:
         """Every field plus the derived sizes, as plain data (for `fleet plan`)."""
         data = dataclasses.asdict(self)
-        for name in ("world_size", "world_size_local", "replica_size", "expert_parallel_size", "replicas_step_together"):
+        for name in ("world_size", "world_size_local", "replica_size", "expert_parallel_size", "replicas_step_together",
+                     "restarts_replicas"):
             data[name] = getattr(self, name)
         return data
 
@@ -203,6 +223,10 @@ def _check_sizes(config: ParallelConfig) -> None:
         )
     if not 0 <= config.node_rank < config.nnodes:
         raise ValueError(f"--node-rank {config.node_rank} must be in [0, --nnodes {config.nnodes})")
+    if config.max_replica_restarts < 0:
+        raise ValueError(f"--max-replica-restarts must be at least 0, got {config.max_replica_restarts}")
+    if not config.engine_step_timeout > 0:
+        raise ValueError(f"--engine-step-timeout must be above 0 seconds, got {config.engine_step_timeout}")
     if config.distributed_executor_backend == "uni" and config.replica_size > 1:
         raise ValueError(
             f"--distributed-executor-backend uni runs one worker, but a replica has {config.replica_size} "

@@ -306,6 +306,9 @@ class EngineCoreProcess:
         if self.info.plan.coordinator is not None:
             # The main thread owns the PUSH; the input thread the SUB (a zmq socket is single-threaded).
             self.coordinator = ipc.make_socket(self.ctx, zmq.PUSH, connect=self.info.plan.coordinator.engine_inputs)
+            # An empty queue at start: a restarted replica replaces what its predecessor last published.
+            self.last_load = self.engine.load()
+            self._send_to_coordinator(self.last_load)
             sub = ipc.make_socket(self.ctx, zmq.SUB, connect=self.info.plan.coordinator.engine_broadcast)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             subscribers.append(sub)

@@ -3,8 +3,16 @@
 stopping the processes themselves is core/processes.py."""
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import socket
+import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psutil
 
 import zmq
 
@@ -15,6 +23,38 @@ def new_ipc_address(tag: str) -> str:
     """A fresh ipc:// path in a private directory (no port races)."""
     directory = env.ipc_dir()
     return f"ipc://{directory}/fleet-{tag}-{uuid.uuid4().hex[:12]}.sock"
+
+
+LAUNCH_DIR_PREFIX = "fleet-launch-"
+
+
+@contextmanager
+def private_socket_dir() -> Iterator[str]:
+    """A directory for this launch's ipc:// socket files, in FLEET_IPC_DIR
+    (default: the system's temporary directory), removed at exit; the
+    launch's children find it in FLEET_IPC_DIR. Directories of launches
+    that were killed before they could remove theirs go first."""
+    parent = env.ipc_dir()
+    _remove_abandoned(parent)
+    path = tempfile.mkdtemp(prefix=f"{LAUNCH_DIR_PREFIX}{os.getpid()}-", dir=parent)
+    try:
+        with env.ipc_dir_set_to(path):
+            yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_abandoned(parent: str) -> None:
+    """Remove the socket directories of launches whose process is gone."""
+    pattern = re.compile(rf"{re.escape(LAUNCH_DIR_PREFIX)}(\d+)-")
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        match = pattern.match(name)
+        if match and not psutil.pid_exists(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def address_towards(host: str) -> str:

@@ -235,13 +235,18 @@ class HandshakeListener:
             if remaining <= 0:
                 missing = [name for name in expected if name not in ready]
                 raise StartupTimeout(f"no Ready within {timeout + REPORT_MARGIN_S:.0f} s from: {', '.join(missing)}")
-            if self._sock.poll(min(100, int(remaining * 1000) + 1)):
-                message = self._decoder.decode(self._sock.recv())
-                if isinstance(message, StartupFailed):
-                    raise ChildFailed(f"{message.name} (pid {message.pid}) failed to start: {message.error}")
-                if isinstance(message, Ready):
-                    ready[message.name] = message
+            message = self.receive(min(100, int(remaining * 1000) + 1))
+            if isinstance(message, StartupFailed):
+                raise ChildFailed(f"{message.name} (pid {message.pid}) failed to start: {message.error}")
+            if isinstance(message, Ready):
+                ready[message.name] = message
         return ready
+
+    def receive(self, timeout_ms: int) -> Ready | StartupFailed | None:
+        """The next report, or None when none came within `timeout_ms`."""
+        if not self._sock.poll(timeout_ms):
+            return None
+        return self._decoder.decode(self._sock.recv())
 
     def close(self) -> None:
         self._sock.close()

@@ -18,7 +18,7 @@ from http import HTTPStatus
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import fleet
@@ -113,14 +113,23 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox) -> Fas
             raise EngineDeadError(engine.dead_reason)
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        """200 while a replica serves; `?verbose`: the state of each replica too."""
         if engine.dead_reason is not None:
             return error_response(503, engine.dead_reason)
+        replicas = engine.replica_states()
+        serving = any(replica["state"] == "up" for replica in replicas)
+        status = 200 if serving else 503
+        if "verbose" in request.query_params:
+            return JSONResponse({"status": "serving" if serving else "no replica serves", "replicas": replicas},
+                                status_code=status)
+        if not serving:
+            return error_response(503, "no replica serves: " + "; ".join(r["reason"] for r in replicas))
         return Response(status_code=200)
 
     @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping():  # SageMaker's name for /health, as in vLLM
-        return await health()
+    async def ping(request: Request):  # SageMaker's name for /health, as in vLLM
+        return await health(request)
 
     @app.get("/load")
     async def load():

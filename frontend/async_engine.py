@@ -1,18 +1,22 @@
 """AsyncEngine: what an API server's handlers call. It turns engine outputs,
 which arrive on the EngineClient's thread, into per-request asyncio
-notifications, and aborts a request whose consumer goes away."""
+notifications, and aborts a request whose consumer goes away. When a replica
+dies (and its launcher restarts it), a request of it that had no token yet is
+sent to another replica; one that had tokens ends with an error naming it."""
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from fleet.config.fleet import FleetConfig
 from fleet.core.messages import EngineCoreOutputs, EngineLoads
 from fleet.core.node_plan import ClientAddresses
 from fleet.core.sampling_params import SamplingParams
-from fleet.frontend.engine_client import EngineClient, EngineDeadError
+from fleet.frontend.engine_client import EngineClient, EngineDeadError, ReplicaDown
 from fleet.frontend.load_balancer import LoadBalancer
 from fleet.frontend.metrics import Metrics
 from fleet.frontend.output_processor import RequestState, RequestTracker, child_requests
@@ -23,13 +27,28 @@ class ServerStopping(Exception):
     final error event on a stream, instead of a connection cut mid-answer."""
 
 
+class ReplicaLost(NamedTuple):
+    """Put in a request's queue when the replica it runs on died."""
+
+    engine: int
+    reason: str
+
+
+REPLICA_WAIT_S = 0.05
+"""How often a request that found every replica down looks again."""
+
+
 class _Tracked:
-    """A running request: its state, its event loop queue and its timings."""
+    """A running request: its state, its event loop queue, its replica and its timings."""
 
     def __init__(self, state: RequestState, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop):
         self.state = state
         self.queue = queue
         self.loop = loop
+        self.engine: int | None = None
+        """The engine index it was sent to (the output thread reads it to fail it when that replica dies)."""
+        self.lost = False
+        """Whether it was told that replica died (once per send: see AsyncEngine._replica_lock)."""
         self.arrival = time.monotonic()
         self.last_token_at: float | None = None
 
@@ -40,14 +59,18 @@ class AsyncEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics
+        survives = self._on_replica_change if config.parallel.restarts_replicas else None
         self.client = EngineClient(config, self._on_outputs, self._on_death, client_index, addresses,
-                                   load_address, self._on_loads)
+                                   load_address, self._on_loads, survives)
         self.client_index = client_index
         self.balancer: LoadBalancer | None = None
         self._tracked: RequestTracker[_Tracked] = RequestTracker()
         metrics.tracked_requests.set_function(self.num_unfinished)
         self._ids = itertools.count()
         self._stopping: ServerStopping | None = None
+        self._replica_lock = threading.Lock()
+        """Sending a request and a replica's death race; under this lock exactly one of them tells the
+        request its replica died: the death if it saw the request there, else the sender after its send."""
 
     @property
     def dead_reason(self) -> str | None:
@@ -60,6 +83,14 @@ class AsyncEngine:
     def connect(self, num_engines: int) -> None:
         self.client.connect_engines(num_engines)
         self.balancer = LoadBalancer([int.from_bytes(i, "little") for i in self.client.engine_identities])
+        for dp_rank in self.balancer.dp_ranks:
+            self.metrics.replica_up(dp_rank).set(1)
+
+    def replica_states(self) -> list[dict]:
+        """Each replica of this API server: up, or down and why (/health?verbose)."""
+        down = dict(self.client.down)
+        return [{"replica": rank, "state": "down", "reason": down[index]} if index in down
+                else {"replica": rank, "state": "up"} for index, rank in enumerate(self.balancer.dp_ranks)]
 
     async def generate(
         self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
@@ -76,38 +107,77 @@ class AsyncEngine:
         tracked = _Tracked(RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer), asyncio.Queue(), asyncio.get_running_loop())
         children = child_requests(request_id, prompt_token_ids, params, time.time(), self.client_index, priority,
                                   pooling)
-        engine = self.balancer.pick(len(children))
         state = tracked.state
         try:  # from here on, whatever fails (a send, the client leaving) leaves nothing tracked
             self._tracked.add(children, tracked)
-            for child in children:
-                self.client.add_request(child, engine)
-            dp_rank = self.balancer.dp_ranks[engine]
-            self.metrics.prompt_tokens(dp_rank).inc(len(prompt_token_ids))
+            await self._send(children, tracked)
+            self.metrics.prompt_tokens(self.balancer.dp_ranks[tracked.engine]).inc(len(prompt_token_ids))
             while not state.output.finished:
                 index, update = await tracked.queue.get()
                 if isinstance(update, ServerStopping):
                     raise update
+                if isinstance(update, ReplicaLost):
+                    await self._after_replica_lost(update, children, tracked)
+                    continue
                 # Outputs are folded in here, on the event loop, so a handler never
                 # sees a state that the output thread is half-way through changing.
                 if index is None:
                     state.fail(update)
                 elif state.apply(index, update):
-                    self.client.abort([children[index].request_id], engine)  # a stop string ended it
+                    self.client.abort([children[index].request_id], tracked.engine)  # a stop string ended it
                 if state.output.finished:
+                    dp_rank = self.balancer.dp_ranks[tracked.engine]
                     self.metrics.observe_finished(state.output, params, time.monotonic() - tracked.arrival, dp_rank)
                 yield state
         finally:
-            self.balancer.finished(engine, len(children))
             unfinished = [c.request_id for c, seq in zip(children, state.output.outputs) if not seq.finished]
             self._tracked.remove(child.request_id for child in children)
-            if unfinished and self.dead_reason is None:
-                self.client.abort(unfinished, engine)
+            if tracked.engine is not None:
+                self.balancer.finished(tracked.engine, len(children))
+                if unfinished and self.dead_reason is None:
+                    self.client.abort(unfinished, tracked.engine)
+
+    async def _send(self, children: list, tracked: _Tracked) -> None:
+        """Send a request's children to the least-loaded replica that is up,
+        waiting while none is (the launcher is restarting them)."""
+        while True:
+            engine = self.balancer.pick(len(children))
+            if engine is not None:
+                break
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            if self._stopping is not None:
+                raise self._stopping
+            await asyncio.sleep(REPLICA_WAIT_S)
+        with self._replica_lock:
+            tracked.engine, tracked.lost = engine, False
+        try:
+            for child in children:
+                self.client.add_request(child, engine)
+        except ReplicaDown:
+            pass  # it died before its death was seen here: told below, or by the death
+        with self._replica_lock:
+            if engine in self.client.down and not tracked.lost:
+                tracked.lost = True
+                tracked.queue.put_nowait((None, ReplicaLost(engine, self.client.down.get(engine, "down"))))
+
+    async def _after_replica_lost(self, lost: ReplicaLost, children: list, tracked: _Tracked) -> None:
+        """A request whose replica died is sent again if nothing of it reached
+        the client yet (no token); otherwise it ends with an error naming the replica."""
+        dp_rank = self.balancer.dp_ranks[lost.engine]
+        self.balancer.finished(lost.engine, len(children))
+        tracked.engine = None
+        if any(sequence.token_ids for sequence in tracked.state.output.outputs):
+            raise ReplicaDown(f"replica dp{dp_rank} died while this request ran: {lost.reason}")
+        self.metrics.requests_retried.inc()
+        await self._send(children, tracked)
 
     # ---- called on the EngineClient's output thread ----------------------------------------
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()
+        if self.client.down and self._index_of_rank(outputs.engine_index) in self.client.down:
+            return  # what a dead replica sent before its death was seen: its requests are elsewhere now
         if outputs.scheduler_stats is not None:
             self.metrics.observe_scheduler(outputs.scheduler_stats, outputs.engine_index)
         for tracked, index, output in self._tracked.route(outputs.outputs):
@@ -127,6 +197,23 @@ class AsyncEngine:
     def _on_loads(self, loads: EngineLoads) -> None:
         if self.balancer is not None:
             self.balancer.publish(loads)
+
+    def _index_of_rank(self, dp_rank: int) -> int:
+        return self.balancer.dp_ranks.index(dp_rank)
+
+    def _on_replica_change(self, index: int, reason: str | None) -> None:
+        """A replica went down (`reason`) or came back (None)."""
+        dp_rank = self.balancer.dp_ranks[index]
+        self.balancer.set_up(index, reason is None)
+        self.metrics.replica_up(dp_rank).set(reason is None)
+        if reason is None:
+            self.metrics.replica_restarts(dp_rank).inc()
+            return
+        with self._replica_lock:
+            for tracked in self._tracked.all():
+                if tracked.engine == index and not tracked.lost:
+                    tracked.lost = True
+                    tracked.loop.call_soon_threadsafe(tracked.queue.put_nowait, (None, ReplicaLost(index, reason)))
 
     def _on_death(self, reason: str) -> None:
         for tracked in self._tracked.all():

@@ -48,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(rest)
     parser = launch_parser(command)
     _, engine_args = parse_engine_args(parser, rest)
+    if command in ("launch", "serve"):
+        from fleet.core.ipc import private_socket_dir
+
+        with private_socket_dir():  # the plan names the sockets: in there
+            return _run(command, parser, engine_args)
+    return _run(command, parser, engine_args)
+
+
+def _run(command: str, parser: argparse.ArgumentParser, engine_args) -> int:
+    """`command` (launch, serve, plan or prepare) with the parsed flags."""
     from fleet.frontend.plan import build_node_plan, describe
 
     try:

@@ -1,7 +1,9 @@
 """`fleet launch`: start this node's processes, run the start-up handshake
-under one deadline, then supervise. Any child's death, or (multi-node) the
-loss of another node, tears the node down and exits non-zero; SIGINT/SIGTERM
-shut down within --shutdown-timeout."""
+under one deadline, then supervise. A dead data-parallel replica is started
+again while the others serve, as --replica-restart-policy and
+--max-replica-restarts allow (core/replica_restarts.py); any other death, or
+(multi-node) the loss of another node, tears the node down and exits
+non-zero; SIGINT/SIGTERM shut down within --shutdown-timeout."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +21,7 @@ from fleet.core.dp_coordinator import CoordinatorStartupInfo
 from fleet.core.engine_launch import start_engine_cores, start_workers_of_remote_engines
 from fleet.core.node_plan import CoordinatorPlan, NodePlan, StartupFacts
 from fleet.core.process_names import API_SERVER_PREFIX
+from fleet.core.replica_restarts import ReplicaRestarts, RestartRefused
 from fleet.frontend.api_server import APIServerStartupInfo, listening_socket
 
 if TYPE_CHECKING:
@@ -159,18 +162,37 @@ class Launcher:
                             capacity.num_tokens, concurrency, config.model.max_model_len)
 
     def _supervise(self) -> int:
-        while self.stop_requested is None:
-            dead = [child for child in self.children if not child.alive()]
-            if dead:
-                failure = "; ".join(child.describe_exit() for child in dead)
-                self._tell_other_nodes(failure)
-                return self._stop_after(failure)
-            if self.heartbeat is not None and self.heartbeat.lost is not None:
-                return self._stop_after(str(self.heartbeat.lost))
-            time.sleep(SUPERVISE_INTERVAL_S)
+        restarts = ReplicaRestarts(self.config, self.plan.engine_cores, self.facts)
+        try:
+            while self.stop_requested is None:
+                failure = self._watch(restarts)
+                if failure is not None:
+                    self._tell_other_nodes(failure)
+                    return self._stop_after(failure)
+                if self.heartbeat is not None and self.heartbeat.lost is not None:
+                    return self._stop_after(str(self.heartbeat.lost))
+                time.sleep(SUPERVISE_INTERVAL_S)
+        finally:
+            restarts.close()
         logger.info("%s: shutting down", self.stop_requested)
         self._stop_all(timeout=self.config.frontend.shutdown_timeout)
         return 0
+
+    def _watch(self, restarts: ReplicaRestarts) -> str | None:
+        """The failure that ends the job, if any. A dead replica whose restart
+        the policy and budget allow is handed to `restarts`, and its engine
+        core, started again, watched as before."""
+        dead = [child for child in self.children if not child.alive()]
+        if any(not restarts.handles(child) for child in dead):
+            return "; ".join(child.describe_exit() for child in dead)
+        try:
+            for child in dead:
+                self.children.remove(child)
+                restarts.replica_died(child)
+            self.children.extend(restarts.poll())
+        except RestartRefused as refused:
+            return str(refused)
+        return None
 
     def _stop_after(self, failure: str) -> int:
         logger.error("%s: shutting the node down", failure)

@@ -1,5 +1,5 @@
-"""Which engine gets a new request: the fewest unfinished requests, ties
-broken in rotation.
+"""Which engine gets a new request: of the replicas up, the one with the
+fewest unfinished requests, ties broken in rotation.
 
 An API server knows its own requests exactly, and those of the other API
 servers only from the DP coordinator's EngineLoads, which lag behind. So
@@ -23,6 +23,8 @@ class LoadBalancer:
         self.own = [0] * count
         self.published = [0] * count
         self.own_change_since_published = [0] * count
+        self.up = [True] * count
+        """False while a replica is down (its launcher restarts it)."""
         self._next = 0
         self._lock = threading.Lock()
 
@@ -30,17 +32,24 @@ class LoadBalancer:
         rows = zip(self.own, self.published, self.own_change_since_published, strict=True)
         return [max(own, published + change) for own, published, change in rows]
 
-    def pick(self, num_requests: int = 1) -> int:
-        """The engine index for `num_requests` new requests (the sequences of one prompt), counted as sent."""
+    def pick(self, num_requests: int = 1) -> int | None:
+        """The engine index for `num_requests` new requests (the sequences of
+        one prompt), counted as sent; None while every replica is down."""
         with self._lock:
             loads = self.estimates()
             count = len(loads)
-            rotation = [(self._next + i) % count for i in range(count)]
+            rotation = [(self._next + i) % count for i in range(count) if self.up[(self._next + i) % count]]
+            if not rotation:
+                return None
             choice = min(rotation, key=lambda index: loads[index])  # min keeps the first of equals
             self._next = (choice + 1) % count
             self.own[choice] += num_requests
             self.own_change_since_published[choice] += num_requests
             return choice
+
+    def set_up(self, engine_index: int, up: bool) -> None:
+        with self._lock:
+            self.up[engine_index] = up
 
     def finished(self, engine_index: int, num_requests: int = 1) -> None:
         with self._lock:

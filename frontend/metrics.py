@@ -56,6 +56,15 @@ class Metrics:
         self.request_max_tokens = histogram("fleet:request_params_max_tokens", "max_tokens of requests.",
                                             TOKEN_COUNT_BUCKETS)
         self.request_n = histogram("fleet:request_params_n", "n of requests.", N_BUCKETS)
+        def per_replica(metric):
+            return lambda replica: metric.labels(model_name=model_name, replica=str(replica))
+
+        self.replica_up = per_replica(Gauge("fleet:replica_up", "1 while the data-parallel replica serves, 0 while "
+                                            "it is down (being restarted).", ["model_name", "replica"], registry=r))
+        self.replica_restarts = per_replica(Counter("fleet:replica_restarts", "Times the replica came back after "
+                                                    "it died.", ["model_name", "replica"], registry=r))
+        self.requests_retried = Counter("fleet:requests_retried", "Requests sent to another replica because theirs "
+                                        "died before they had a token.", ["model_name"], registry=r).labels(**labels)
         self.tracked_requests = Gauge(
             "fleet:api_server_tracked_requests", "Engine requests this API server holds state for.", registry=r
         )

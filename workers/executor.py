@@ -196,7 +196,7 @@ class MultiprocExecutor(Executor):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.send(serial.encode(scheduler_output))
-        result = self._receive()
+        result = self._receive(deadline=time.monotonic() + self.config.parallel.engine_step_timeout)
         assert isinstance(result, ModelRunnerOutput), result
         return result
 
@@ -209,7 +209,8 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(f"worker utility {method} failed: {result.error}")
         return result.result
 
-    def _receive(self) -> ModelRunnerOutput | WorkerUtilityResult:
+    def _receive(self, deadline: float | None = None) -> ModelRunnerOutput | WorkerUtilityResult:
+        """The workers' answer; WorkerDied when one died, or is hung past `deadline`."""
         while True:
             if self.results.poll(LIVENESS_POLL_MS):
                 message = self.decoder.decode(self.results.recv())
@@ -219,6 +220,10 @@ class MultiprocExecutor(Executor):
                     return message
             else:
                 self.check_alive()
+                if deadline is not None and time.monotonic() > deadline:
+                    timeout = self.config.parallel.engine_step_timeout
+                    raise WorkerDied(f"a step of replica dp{self.dp_rank} ran past --engine-step-timeout {timeout:g} s: "
+                                     "its workers count as hung")
 
     def _root_cause(self, reason: str) -> str:
         """A worker that fails in a collective usually lost a peer: name the

@@ -60,8 +60,15 @@ class Server:
     def base_url(self) -> str:
         return self.url + "/v1"
 
+    def refresh_descendants(self) -> None:
+        """Add the processes started since (a restarted replica's), so that stopping checks them too."""
+        known = {p.pid for p in self.descendants}
+        if self.proc.poll() is None:
+            self.descendants += [p for p in psutil.Process(self.proc.pid).children(recursive=True) if p.pid not in known]
+
     def children_named(self, part: str) -> list[psutil.Process]:
-        return [p for p in self.descendants if part in " ".join(p.cmdline())]
+        """The descendants running whose command line has `part`."""
+        return [p for p in self.descendants if part in " ".join(_cmdline(p))]
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -122,6 +129,13 @@ class Server:
                 return True
             time.sleep(0.1)
         return predicate()
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline() if process.status() != psutil.STATUS_ZOMBIE else []
+    except psutil.NoSuchProcess:
+        return []
 
 
 def health_fails(server: Server) -> bool:

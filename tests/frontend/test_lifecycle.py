@@ -100,7 +100,7 @@ IDLE_DEATHS = {
     "worker of tp 2": (("--tp", "2"), "fleet-worker-dp0-pp0-tp1"),
     "api server": (("--api-server-count", "2"), "fleet-api-1"),
     "dp coordinator": (("--dp", "2"), "fleet-dp-coordinator"),
-    "engine of dp 2": (("--dp", "2"), "fleet-engine-dp1"),
+    "engine of dp 2, never restarted": (("--dp", "2", "--replica-restart-policy", "never"), "fleet-engine-dp1"),
 }
 
 

@@ -42,3 +42,14 @@ def test_the_sequences_of_one_prompt_count_together():
     assert balancer.pick() == 1
     balancer.finished(0, 3)
     assert balancer.estimates() == [0, 2]
+
+
+def test_a_replica_that_is_down_gets_nothing_until_it_is_up():
+    balancer = LoadBalancer([0, 1, 2])
+    balancer.set_up(1, False)
+    assert [balancer.pick() for _ in range(4)] == [0, 2, 0, 2]
+    balancer.set_up(0, False)
+    balancer.set_up(2, False)
+    assert balancer.pick() is None
+    balancer.set_up(1, True)
+    assert balancer.pick() == 1

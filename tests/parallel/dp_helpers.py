@@ -17,12 +17,12 @@ from fleet.tests.frontend.server import Server
 MAX_TOKENS = 6
 
 
-def expected_texts(server: Server, model_dir: str, prompts: list[list[int]]) -> list[str]:
+def expected_texts(server: Server, model_dir: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[str]:
     """The oracle's tokens as the server's text. Text round trips are not
     always token-exact, so texts are compared; a streamed text holds back an
     incomplete UTF-8 character at its end, which /detokenize shows as U+FFFD."""
     oracle = hf_model(model_dir)
-    tokens = [greedy(oracle, prompt, MAX_TOKENS) for prompt in prompts]
+    tokens = [greedy(oracle, prompt, max_tokens) for prompt in prompts]
     texts = [server.post("/detokenize", json={"tokens": t}).json()["prompt"] for t in tokens]
     return [text.rstrip("\ufffd") for text in texts]
 
