@@ -107,14 +107,18 @@ class ParallelConfig:
 
     @property
     def restarts_replicas(self) -> bool:
-        """Whether a dead replica is restarted while the others serve (--replica-restart-policy).
-        Not with lock-step replicas (a death breaks every replica's collectives), nor yet for replicas
-        on or of several nodes, or started by Ray."""
-        if self.replica_restart_policy == "never" or self.replicas_step_together or self.nnodes > 1:
+        """Whether a dead replica is restarted while the others serve (--replica-restart-policy),
+        and, in a multi-node job, whether node 0 serves on when another node is lost. Not with
+        lock-step replicas (a death breaks every replica's collectives), replicas that span nodes,
+        or Ray-started processes."""
+        if self.replica_restart_policy == "never" or self.replicas_step_together:
             return False
         if "ray" in (self.data_parallel_backend, self.distributed_executor_backend):
             return False
-        return self.replica_restart_policy == "always" or (self.data_parallel_size_local or 1) > 1
+        if self.nnodes > 1 and (self.world_size_local < self.replica_size or self.world_size_local % self.replica_size):
+            return False
+        replicas_behind_one_front_end = self.data_parallel_size if self.internal_lb else self.data_parallel_size_local
+        return self.replica_restart_policy == "always" or (replicas_behind_one_front_end or 1) > 1
 
     def as_dict(self) -> dict:
         """Every field plus the derived sizes, as plain data (for `fleet plan`)."""

@@ -22,6 +22,7 @@ from fleet.core import ipc, processes, serial
 from fleet.core.messages import (
     Abort,
     CoordinatorBroadcast,
+    EngineAlive,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 IDLE_LIVENESS_CHECK_S = 0.5
 """How often an engine with nothing to do checks that its workers live."""
+ENGINE_BEAT_S = 0.5
+"""How often an engine tells every client it lives (EngineAlive), busy or idle."""
 
 
 class EngineCore:
@@ -340,16 +343,25 @@ class EngineCoreProcess:
                     self.inputs.put(message)
 
     def _output_thread(self) -> None:
+        beat = serial.encode(EngineAlive(self.info.plan.dp_rank))
+        next_beat = time.monotonic()
         while True:
-            client, message = self.outputs.get()
-            if message is None:
+            try:
+                client, message = self.outputs.get(timeout=ENGINE_BEAT_S)
+            except queue.Empty:
+                pass
+            else:
+                if message is None:
+                    self.outputs.task_done()
+                    return
+                data = serial.encode(message)
+                for push in self._pushes if client is None else [self._pushes[client]]:
+                    push.send(data)
                 self.outputs.task_done()
-                return
-            data = serial.encode(message)
-            targets = self._pushes if client is None else [self._pushes[client]]
-            for push in targets:
-                push.send(data)
-            self.outputs.task_done()
+            if time.monotonic() >= next_beat:
+                for push in self._pushes:
+                    push.send(beat)
+                next_beat = time.monotonic() + ENGINE_BEAT_S
 
     def _flush_outputs(self) -> None:
         self.outputs.put((None, None))

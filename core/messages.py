@@ -123,7 +123,14 @@ class EngineDead(Struct, tag=True):
     reason: str
 
 
-EngineOutput = EngineCoreOutputs | UtilityResult | EngineDead
+class EngineAlive(Struct, tag=True):
+    """An engine's heartbeat to every client (core.engine_core.ENGINE_BEAT_S): a
+    client learns that an engine on another node is gone from its silence."""
+
+    engine_index: int
+
+
+EngineOutput = EngineCoreOutputs | UtilityResult | EngineDead | EngineAlive
 
 
 # ---- engine core -> workers: the scheduler output ----------------------------------

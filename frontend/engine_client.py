@@ -24,6 +24,7 @@ from fleet.config.fleet import FleetConfig
 from fleet.core import ipc, processes, serial
 from fleet.core.messages import (
     Abort,
+    EngineAlive,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
@@ -46,6 +47,9 @@ ReplicaHandler = Callable[[int, "str | None"], None]
 """(engine index, why it went down), or (engine index, None) when it is back."""
 
 LIVENESS_CHECK_S = 0.1
+ENGINE_SILENCE_LIMIT_S = 3.0
+"""An engine on another node (no pid to watch) that sent nothing, not even
+its EngineAlive beat, this long is taken for dead (replicas that restart only)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -88,6 +92,8 @@ class EngineClient:
         self.foreign_engines: dict[bytes, processes.ForeignProcess] = {}
         """The engines we did not start, by identity, watched by the pid of their hello."""
         self.engine_identities: list[bytes] = []
+        self.last_heard: dict[int, float] = {}
+        """dp rank -> when it last sent anything (engines on other nodes are watched by their silence)."""
         self.down: dict[int, str] = {}
         """Engine index -> why it is down, while the launcher restarts it."""
         self.kv_capacity: KVCapacity | None = None
@@ -143,7 +149,8 @@ class EngineClient:
 
     def _watch_by_pid(self, identity: bytes, pid: int) -> None:
         """Engines we did not start are watched by the pid they said hello
-        with (0: on another machine, where the launcher watches them)."""
+        with (0: on another machine, watched by their silence)."""
+        self.last_heard[int.from_bytes(identity, "little")] = time.monotonic()
         if not self.engines and pid:
             name = engine_core_name(int.from_bytes(identity, "little"))
             self.foreign_engines[identity] = processes.ForeignProcess(name, pid)
@@ -226,7 +233,10 @@ class EngineClient:
                 continue
             message = decoder.decode(self.outputs.recv())
             match message:
+                case EngineAlive(engine_index=dp_rank):
+                    self.last_heard[dp_rank] = time.monotonic()
                 case EngineCoreOutputs():
+                    self.last_heard[message.engine_index] = time.monotonic()
                     self.on_outputs(message)
                 case UtilityResult(call_id=call_id):
                     future, _ = self._utility_futures.pop(call_id, (None, None))
@@ -248,6 +258,17 @@ class EngineClient:
             index = self.engine_identities.index(identity)
             if index not in self.down and not engine.alive():
                 self._engine_lost(index, engine.describe_exit())
+        if self.on_replica_change is not None:
+            self._check_remote_engines_heard()
+
+    def _check_remote_engines_heard(self) -> None:
+        """Engines on other nodes: a silent one is gone (its node, or its process)."""
+        now = time.monotonic()
+        for index, identity in enumerate(self.engine_identities):
+            dp_rank = int.from_bytes(identity, "little")
+            silence = now - self.last_heard.get(dp_rank, now)
+            if identity not in self.foreign_engines and index not in self.down and silence > ENGINE_SILENCE_LIMIT_S:
+                self._engine_lost(index, f"{engine_core_name(dp_rank)} on another node sent nothing for {silence:.1f} s")
 
     def _engine_lost(self, index: int, reason: str) -> None:
         if self.on_replica_change is None:

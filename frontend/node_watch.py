@@ -2,7 +2,9 @@
 store (parallel/job_store.py): each node announces itself and node 0 waits
 for all of them; each beats a heartbeat from a thread of its own and node 0
 watches every beat; a node going down says so first, so that a dead node
-takes the job down everywhere."""
+takes the job down everywhere; or, where replicas restart
+(ParallelConfig.restarts_replicas), node 0 serves on with the replicas of the
+other nodes and a lost node's launch, started again, rejoins."""
 from __future__ import annotations
 
 import logging
@@ -53,12 +55,17 @@ def report_failure(job: JobStore, reason: str) -> None:
 class Heartbeat:
     """Beats for this node from a thread of its own, from the moment the node
     joined, so that a launcher busy starting or supervising never falls
-    silent; on node 0 it also watches the others. The first loss is kept in
-    `lost` for the launcher to act on."""
+    silent; on node 0 it also watches the others. A loss that ends the job is
+    kept in `lost` for the launcher to act on; where replicas restart, node 0
+    only logs the loss of another node (its API servers see that node's
+    engines fall silent) and its return."""
 
     def __init__(self, job: JobStore):
         self.job = job  # its own connection: the launcher's is used from the launcher's thread
         self.lost: NodeMissing | None = None
+        self.survives_other_nodes = job.parallel.restarts_replicas
+        self.gone: set[int] = set()
+        """Other nodes lost while node 0 serves on, until they join again."""
         self._beats_seen: dict[int, tuple[int, float]] = {}
         threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True).start()
 
@@ -85,13 +92,42 @@ class Heartbeat:
             raise NodeMissing(f"lost node 0's job store at {where}: {error}") from error
 
     def _check_beats(self) -> None:
-        store, now = self.job.store, time.monotonic()
         for rank in range(1, self.job.parallel.nnodes):
-            if store.check([f"failed/{rank}"]):
-                raise NodeMissing(f"node {rank} failed: {store.get(f'failed/{rank}').decode()}")
-            count = store.add(f"beat/{rank}", 0)
-            last_count, since = self._beats_seen.get(rank, (-1, now))
-            if count != last_count:
-                self._beats_seen[rank] = (count, now)
-            elif now - since > NODE_SILENCE_LIMIT_S:
-                raise NodeMissing(f"node {rank} stopped answering (no heartbeat for {NODE_SILENCE_LIMIT_S:.0f} s)")
+            if rank in self.gone:
+                self._check_rejoined(rank)
+                continue
+            loss = self._loss_of(rank)
+            if loss is None:
+                continue
+            if not self.survives_other_nodes:
+                raise loss
+            self._forget(rank)
+            logger.error("%s: its replicas are down, the other nodes' serve on; `fleet launch` with "
+                         "--node-rank %d started again there rejoins the job", loss, rank)
+
+    def _loss_of(self, rank: int) -> NodeMissing | None:
+        store, now = self.job.store, time.monotonic()
+        if store.check([f"failed/{rank}"]):
+            return NodeMissing(f"node {rank} failed: {store.get(f'failed/{rank}').decode()}")
+        count = store.add(f"beat/{rank}", 0)
+        last_count, since = self._beats_seen.get(rank, (-1, now))
+        if count != last_count:
+            self._beats_seen[rank] = (count, now)
+        elif now - since > NODE_SILENCE_LIMIT_S:
+            return NodeMissing(f"node {rank} stopped answering (no heartbeat for {NODE_SILENCE_LIMIT_S:.0f} s)")
+        return None
+
+    def _forget(self, rank: int) -> None:
+        """A lost node: its keys go, so that its next launch is seen to join."""
+        self.gone.add(rank)
+        self._beats_seen.pop(rank, None)
+        for key in (f"node/{rank}", f"failed/{rank}"):
+            self.job.store.delete_key(key)
+
+    def _check_rejoined(self, rank: int) -> None:
+        store = self.job.store
+        if store.check([f"failed/{rank}"]):
+            store.delete_key(f"failed/{rank}")  # said late, by the launch that was lost
+        if store.check([f"node/{rank}"]):
+            self.gone.discard(rank)
+            logger.info("node %d joined again", rank)

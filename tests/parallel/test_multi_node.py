@@ -27,6 +27,7 @@ from fleet.tests.parallel.dp_helpers import (
     launched_tcp_ports,
     stop_servers,
 )
+from fleet.tests.parallel.replica_helpers import engine_metric, kill_under_load, replica_states
 
 pytestmark = pytest.mark.slow
 
@@ -198,8 +199,9 @@ def test_a_remote_worker_that_dies_while_idle_ends_both_nodes(two_nodes, tiny_ll
 
 def test_an_idle_node_1_that_vanishes_ends_node_0(two_nodes, tiny_llama_dir):
     """SIGKILL of node 1's whole tree, as a machine that goes down: nothing
-    is said, node 0 hears its heartbeat stop."""
-    args = job_args(tiny_llama_dir, two_nodes, "--dp", "2", "--tp", "2")
+    is said, node 0 hears its heartbeat stop (and, told not to restart
+    replicas, ends the job)."""
+    args = job_args(tiny_llama_dir, two_nodes, "--dp", "2", "--tp", "2", "--replica-restart-policy", "never")
     node0, node1 = start_node(two_nodes, 0, args), start_node(two_nodes, 1, args)
     try:
         node0.wait_ready(180)
@@ -213,6 +215,30 @@ def test_an_idle_node_1_that_vanishes_ends_node_0(two_nodes, tiny_llama_dir):
     assert "node 1 stopped answering" in "".join(node0.log), "".join(node0.log)[-2000:]
     node0.assert_nothing_left()
     node1.assert_nothing_left()
+
+
+def test_node_0_serves_on_when_node_1_vanishes_and_node_1_rejoins(two_nodes, tiny_llama_dir):
+    """A replica on each node. Node 1 goes down as a machine does, under
+    streaming load: requests on its replica that had no token are served by
+    node 0's, those mid-stream end with an error event, /health stays 200;
+    node 1 launched again rejoins and its replica serves the oracle's tokens."""
+    args = job_args(tiny_llama_dir, two_nodes, "--dp", "2", "--max-num-seqs", "2")
+    node0, node1 = start_node(two_nodes, 0, args), start_node(two_nodes, 1, args)
+    try:
+        node0.wait_ready(180)
+        node1.wait_ready(180)
+        kill_under_load(node0, tiny_llama_dir, node1.kill, seed=11, back=False)
+        assert "node 1 stopped answering" in "".join(node0.log) and node0.proc.poll() is None
+        node1.assert_nothing_left()
+        node1 = start_node(two_nodes, 1, args, wait=True)
+        assert node0.wait_until(lambda: replica_states(node0) == ["up", "up"], timeout=60), replica_states(node0)
+        before = engine_metric(node0, "fleet:request_success_total", 1)
+        assert_greedy_over_http(node0, tiny_llama_dir, count=8, seed=12)
+        assert engine_metric(node0, "fleet:request_success_total", 1) > before, "node 1's replica serves again"
+        stop_servers([node0, node1])
+    finally:
+        node0.kill()
+        node1.kill()
 
 
 def test_sigkill_of_node_0_ends_node_1(two_nodes, tiny_llama_dir):
