@@ -109,11 +109,8 @@ class ParallelConfig:
     def restarts_replicas(self) -> bool:
         """Whether a dead replica is restarted while the others serve (--replica-restart-policy),
         and, in a multi-node job, whether node 0 serves on when another node is lost. Not with
-        lock-step replicas (a death breaks every replica's collectives), replicas that span nodes,
-        or Ray-started processes."""
+        lock-step replicas (a death breaks every replica's collectives), nor replicas that span nodes."""
         if self.replica_restart_policy == "never" or self.replicas_step_together:
-            return False
-        if "ray" in (self.data_parallel_backend, self.distributed_executor_backend):
             return False
         if self.nnodes > 1 and (self.world_size_local < self.replica_size or self.world_size_local % self.replica_size):
             return False

@@ -138,6 +138,9 @@ class ChildProcess:
     def terminate(self) -> None:
         self.popen.terminate()
 
+    def release(self) -> None:
+        """Free what it held beyond its process, once it died: nothing (the kernel freed it all)."""
+
     def kill(self) -> None:
         self.popen.kill()
 

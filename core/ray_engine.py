@@ -22,7 +22,7 @@ def start_engine_actor(config: FleetConfig, name: str, info_bytes: bytes) -> Ray
     strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
                                                 placement_group_capture_child_tasks=True)
     actor = ray.remote(EngineActor).options(num_cpus=0, scheduling_strategy=strategy).remote()
-    return RayActorHandle(name, actor, actor.run.remote(name, info_bytes))
+    return RayActorHandle(name, actor, actor.run.remote(name, info_bytes), group)
 
 
 class EngineActor:

@@ -68,6 +68,7 @@ class ReplicaRestarts:
         """Schedule the restart of `child`'s replica, or raise RestartRefused."""
         replica = self.replicas[child.name]
         replica.starting = None
+        child.release()
         now = time.monotonic()
         served = replica.ready_at is not None and now - replica.ready_at >= STABLE_AFTER_S
         replica.failures_in_a_row = 1 if served else replica.failures_in_a_row + 1
@@ -106,8 +107,11 @@ class ReplicaRestarts:
 
     def _start(self, plan: EngineCorePlan) -> processes.ChildProcess:
         if self._handshake is None:
+            parallel = self.config.parallel
+            # Engine actors placed by Ray may run on another machine: they report over TCP.
+            tcp_host = parallel.data_parallel_address if parallel.data_parallel_backend == "ray" else None
             self._ctx = zmq.Context()
-            self._handshake = processes.HandshakeListener(self._ctx)
+            self._handshake = processes.HandshakeListener(self._ctx, tcp_host)
         logger.info("starting %s again", plan.name)
         return start_engine_cores(self.config, [plan], self._handshake.address, self.facts)[0]
 
@@ -117,14 +121,14 @@ class ReplicaRestarts:
             if message is None:
                 return
             replica = self.replicas.get(message.name)
-            if replica is None or replica.starting is None or replica.starting.pid != message.pid:
-                continue  # from an earlier try
+            if replica is None or replica.starting is None:
+                continue
             if isinstance(message, StartupFailed):
                 logger.error("%s failed to start again: %s", message.name, message.error)
                 continue  # it exits: the launcher sees that and hands it back to replica_died
             replica.starting, replica.ready_at = None, time.monotonic()
-            logger.info("%s restarted: replica dp%d serves again %.1f s after it died", message.name,
-                        replica.plan.dp_rank, replica.ready_at - replica.died_at)
+            logger.info("%s (pid %d) restarted: replica dp%d serves again %.1f s after it died", message.name,
+                        message.pid, replica.plan.dp_rank, replica.ready_at - replica.died_at)
 
     def close(self) -> None:
         if self._handshake is not None:

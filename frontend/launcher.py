@@ -158,8 +158,8 @@ class Launcher:
             if message.kv_capacity is not None:
                 capacity = message.kv_capacity
                 concurrency = capacity.num_tokens / config.model.max_model_len
-                logger.info("%s: KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name,
-                            capacity.num_tokens, concurrency, config.model.max_model_len)
+                logger.info("%s (pid %d): KV cache %d tokens (%.2fx concurrency at %d tokens)", message.name,
+                            message.pid, capacity.num_tokens, concurrency, config.model.max_model_len)
 
     def _supervise(self) -> int:
         restarts = ReplicaRestarts(self.config, self.plan.engine_cores, self.facts)

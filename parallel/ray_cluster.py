@@ -25,10 +25,12 @@ class RayActorHandle:
     """An actor watched and stopped like a child process (processes.ChildProcess):
     it is alive while its `run` call (the process's whole life) has not returned."""
 
-    def __init__(self, name: str, actor, run_ref):
+    def __init__(self, name: str, actor, run_ref, placement_group=None):
         self.name = name
         self.actor = actor
         self.run_ref = run_ref
+        self.placement_group = placement_group
+        """The group it was placed in, when this handle's owner made it for this actor alone."""
 
     def alive(self) -> bool:
         import ray
@@ -54,6 +56,14 @@ class RayActorHandle:
         import ray
 
         ray.kill(self.actor, no_restart=True)
+
+    def release(self) -> None:
+        """Free the placement group made for it, once it died (its replica is restarted in a new one)."""
+        from ray.util.placement_group import remove_placement_group
+
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
 
     def wait(self, timeout: float) -> None:
         import ray

@@ -5,7 +5,7 @@ clients saw (issue 28).
     python -P scripts/bench_replica_restarts.py [--duration 600] [--interval 60] [--clients 8]
                                                 [--max-tokens 64] [--launch-args "extra fleet launch flags"]
 
-Starts `fleet launch --dp 2 --kv-cache-memory-bytes 256M` (the default
+Starts `fleet launch --dp 2 --kv-cache-memory-bytes 256M --max-replica-restarts 1000` (the default
 model unless --launch-args names another), runs --clients streaming
 clients in a loop, and kills a random process of a random replica every
 --interval seconds for --duration seconds. Prints: requests completed,
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import httpx
 import psutil
 
-LAUNCH = ["--dp", "2", "--kv-cache-memory-bytes", "256M"]
+LAUNCH = ["--dp", "2", "--kv-cache-memory-bytes", "256M", "--max-replica-restarts", "1000"]
+"""A kill a minute for ten minutes is past the default budget (5 restarts in 10 minutes), which would end the job."""
 PROMPTS = ["Tell me about the sea.", "Write a short poem about trains.", "What is a data-parallel replica?",
            "List five fruits and their colours.", "Explain why the sky is blue.", "Describe a busy market."]
 
@@ -140,6 +141,9 @@ def main() -> int:
     try:
         while time.monotonic() - began + args.interval <= args.duration:
             time.sleep(args.interval)
+            if launch.proc.poll() is not None:
+                print("the launch ended:\n" + "".join(launch.log[-10:]))
+                break
             victim = rng.choice(launch.processes_of(rng.randrange(2)))
             name = re.search(r"--name (\S+)", " ".join(victim.cmdline())).group(1)
             killed_at = time.monotonic()
@@ -155,9 +159,10 @@ def main() -> int:
         stop.set()
         for thread in threads:
             thread.join(300)
-        retried = launch.metric("fleet:requests_retried_total")
+        retried = launch.metric("fleet:requests_retried_total") if launch.proc.poll() is None else float("nan")
     finally:
-        launch.stop()
+        if launch.proc.poll() is None:
+            launch.stop()
     return report(outcomes, kills, retried, launch.log)
 
 

@@ -18,6 +18,9 @@ class DeadEngine:
     def describe_exit(self) -> str:
         return f"{self.name} (pid 1) died (signal SIGKILL)"
 
+    def release(self) -> None:
+        pass
+
 
 def config_of(model_dir: str, **fields):
     return EngineArgs(model=model_dir, device="cpu", kv_cache_memory_bytes=2**21, **fields).create_config()
@@ -28,7 +31,10 @@ def config_of(model_dir: str, **fields):
     ({}, False),  # on-failure: no other replica serves meanwhile
     ({"replica_restart_policy": "always"}, True),
     ({"data_parallel_size": 2, "replica_restart_policy": "never"}, False),
-    ({"data_parallel_size": 2, "distributed_executor_backend": "ray"}, False),
+    ({"data_parallel_size": 2, "distributed_executor_backend": "ray"}, True),
+    ({"data_parallel_size": 2, "data_parallel_backend": "ray"}, True),
+    ({"data_parallel_size": 2, "tensor_parallel_size": 2, "nnodes": 2}, True),  # a replica on each node
+    ({"tensor_parallel_size": 4, "nnodes": 2, "replica_restart_policy": "always"}, False),  # it spans them
 ])
 def test_which_launches_restart_replicas(tiny_llama_dir, fields, restarts):
     assert config_of(tiny_llama_dir, **fields).parallel.restarts_replicas is restarts

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from fleet.tests.frontend.server import Server, health_fails
 from fleet.tests.parallel.dp_helpers import assert_greedy_over_http, free_port_pair
+from fleet.tests.parallel.replica_helpers import kill_under_load
 
 ray = pytest.importorskip("ray", reason="the Ray tests need `pip install fleet[ray]` (make install-test does it)")
 
@@ -99,8 +101,8 @@ def test_ray_data_parallel_backend_places_each_engine_with_its_workers(two_node_
 
 RAY_IDLE_DEATHS = {
     "worker actor": (("--tp", "2", "--distributed-executor-backend", "ray"), "WorkerActor"),
-    "engine actor": (("--dp", "2", "--data-parallel-backend", "ray", "--distributed-executor-backend", "ray"),
-                     "EngineActor"),
+    "engine actor, never restarted": (("--dp", "2", "--data-parallel-backend", "ray", "--distributed-executor-backend",
+                                       "ray", "--replica-restart-policy", "never"), "EngineActor"),
 }
 
 
@@ -122,6 +124,33 @@ def test_an_actor_that_dies_while_idle_ends_the_job(two_node_cluster, tiny_llama
         server.kill()
     assert any("(Ray actor) died" in line for line in server.log), "".join(server.log[-20:])
     server.assert_nothing_left()
+    assert_nothing_left_in_ray()
+
+
+def test_a_replica_of_ray_workers_is_restarted_while_the_other_serves(two_node_cluster, tiny_llama_dir):
+    """The engine core of replica 1 dies: its worker actors and placement group go with it (their
+    owner), and the launcher starts it again, which places new ones."""
+    server = launch(two_node_cluster, tiny_llama_dir, "--dp", "2", "--distributed-executor-backend", "ray",
+                    "--max-num-seqs", "2")
+    try:
+        kill_under_load(server, tiny_llama_dir, "fleet-engine-dp1", seed=43)
+        assert_greedy_over_http(server, tiny_llama_dir, count=4, seed=44)
+        server.refresh_descendants()
+    finally:
+        server.close()
+    assert_nothing_left_in_ray()
+
+
+def test_an_engine_actor_is_restarted_in_a_new_placement_group(two_node_cluster, tiny_llama_dir):
+    flags = ("--data-parallel-backend", "ray", "--distributed-executor-backend", "ray", "--data-parallel-rpc-port")
+    server = launch(two_node_cluster, tiny_llama_dir, "--dp", "2", "--max-num-seqs", "2", *flags, str(free_port_pair()))
+    try:
+        (pid,) = [int(m.group(1)) for line in server.log if (m := re.search(r"fleet-engine-dp1 \(pid (\d+)\): KV", line))]
+        kill_under_load(server, tiny_llama_dir, lambda: os.kill(pid, signal.SIGKILL), seed=45)
+        assert_greedy_over_http(server, tiny_llama_dir, count=4, seed=46)
+        assert len(bundle_nodes()) == 2, "the dead replica's placement group went with it"
+    finally:
+        server.close()
     assert_nothing_left_in_ray()
 
 

@@ -32,6 +32,10 @@ def ipc_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def launch(model_dir: str, ipc_dir: Path, *flags: str) -> Server:
+    return Server(model_dir, *flags, *TINY, env={"FLEET_IPC_DIR": str(ipc_dir)})
+
+
 def assert_stopped_cleanly(server: Server, ipc_dir) -> None:
     server.refresh_descendants()
     assert server.stop() == 0
@@ -39,7 +43,7 @@ def assert_stopped_cleanly(server: Server, ipc_dir) -> None:
 
 
 def test_a_dead_worker_then_a_dead_engine_core_cost_only_streams_in_flight(tiny_llama_dir, ipc_dir):
-    server = Server(tiny_llama_dir, "--dp", "2", "--max-num-seqs", "2", *TINY, env={"FLEET_IPC_DIR": str(ipc_dir)})
+    server = launch(tiny_llama_dir, ipc_dir, "--dp", "2", "--max-num-seqs", "2")
     try:
         engine = server.children_named("fleet-engine-dp1")[0]
         clients = kill_under_load(server, tiny_llama_dir, "fleet-worker-dp1-", seed=1)
@@ -60,8 +64,7 @@ def test_a_dead_worker_then_a_dead_engine_core_cost_only_streams_in_flight(tiny_
 
 
 def test_tp2_replica_comes_back_after_one_of_its_workers_dies(tiny_llama_dir, ipc_dir):
-    server = Server(tiny_llama_dir, "--dp", "2", "--tp", "2", "--max-num-seqs", "2", *TINY,
-                    env={"FLEET_IPC_DIR": str(ipc_dir)})
+    server = launch(tiny_llama_dir, ipc_dir, "--dp", "2", "--tp", "2", "--max-num-seqs", "2")
     try:
         kill_under_load(server, tiny_llama_dir, "fleet-worker-dp1-pp0-tp1", seed=4)
         server.refresh_descendants()
@@ -71,8 +74,19 @@ def test_tp2_replica_comes_back_after_one_of_its_workers_dies(tiny_llama_dir, ip
         assert_stopped_cleanly(server, ipc_dir)
 
 
+def test_a_hung_worker_is_a_dead_replica_after_the_step_timeout(tiny_llama_dir, ipc_dir):
+    server = launch(tiny_llama_dir, ipc_dir, "--dp", "2", "--max-num-seqs", "2", "--engine-step-timeout", "2")
+    try:
+        (worker,) = server.children_named("fleet-worker-dp1-")
+        kill_under_load(server, tiny_llama_dir, lambda: os.kill(worker.pid, signal.SIGSTOP), seed=7)
+        assert any("ran past --engine-step-timeout 2 s" in line for line in server.log)
+        assert not worker.is_running(), "the hung worker was killed"
+    finally:
+        assert_stopped_cleanly(server, ipc_dir)
+
+
 def test_a_lone_replica_restarts_with_policy_always_and_holds_requests_meanwhile(tiny_llama_dir, ipc_dir):
-    server = Server(tiny_llama_dir, "--replica-restart-policy", "always", *TINY, env={"FLEET_IPC_DIR": str(ipc_dir)})
+    server = launch(tiny_llama_dir, ipc_dir, "--replica-restart-policy", "always")
     try:
         os.kill(server.children_named("fleet-engine-dp0")[0].pid, signal.SIGKILL)
         assert server.wait_until(lambda: server.get("/health").status_code == 503, timeout=10)
