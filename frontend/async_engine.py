@@ -162,13 +162,15 @@ class AsyncEngine:
                 tracked.queue.put_nowait((None, ReplicaLost(engine, self.client.down.get(engine, "down"))))
 
     async def _after_replica_lost(self, lost: ReplicaLost, children: list, tracked: _Tracked) -> None:
-        """A request whose replica died is sent again if nothing of it reached
-        the client yet (no token); otherwise it ends with an error naming the replica."""
+        """A request whose replica died is sent again if nothing of it can have
+        reached the client yet; otherwise it ends with an error naming the replica."""
         dp_rank = self.balancer.dp_ranks[lost.engine]
         self.balancer.finished(lost.engine, len(children))
         tracked.engine = None
-        if any(sequence.token_ids for sequence in tracked.state.output.outputs):
+        if not tracked.state.shows_nothing():
             raise ReplicaDown(f"replica dp{dp_rank} died while this request ran: {lost.reason}")
+        tracked.state.restart()
+        tracked.last_token_at = None
         self.metrics.requests_retried.inc()
         await self._send(children, tracked)
 

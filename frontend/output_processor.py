@@ -172,6 +172,26 @@ class RequestState:
                 metrics.time_in_queue, metrics.prefill_time = engine_output.queue_time, engine_output.prefill_time
             metrics.last_token_time = now
 
+    def shows_nothing(self) -> bool:
+        """Whether nothing of it can have reached its client yet: no sequence
+        finished, and none has stable text (streams send only that, and
+        logprobs only with it; a token may be held back as an incomplete character)."""
+        if self.output.prompt_logprobs is not None:  # a stream's first chunk may carry them
+            return False
+        return not any(sequence.finished or detokenizer.stable_text_length(False)
+                       for sequence, detokenizer in zip(self.output.outputs, self.detokenizers))
+
+    def restart(self) -> None:
+        """Forget what the engine produced (it is sent again, to another replica); only while it shows nothing."""
+        assert self.shows_nothing()
+        for sequence in self.output.outputs:  # in place: a handler may hold them
+            sequence.token_ids.clear()
+            sequence.text, sequence.logprobs, sequence.cumulative_logprob = "", None, None
+        self.detokenizers = [IncrementalDetokenizer(self.tokenizer, self.output.prompt_token_ids, self.params)
+                             for _ in range(self.params.n)]
+        self.output.prompt_logprobs, self.output.num_cached_tokens = None, 0
+        self.output.metrics.first_token_time = self.output.metrics.last_token_time = None
+
     def fail(self, reason: str) -> None:
         for sequence in self.output.outputs:
             if sequence.finish_reason is None:
