@@ -49,11 +49,13 @@ def model(server: Server) -> str:
 
 
 def refused(server: Server, route: str, body: dict, param: str, *words: str) -> None:
-    """`body` gets a 400 naming `param` and `words`, within ANSWER_WITHIN_S."""
+    """`body` gets a 400 naming `param` and `words` (a tuple: one of its words), within ANSWER_WITHIN_S."""
     response = httpx.post(server.url + route, json={"model": model(server), **body}, timeout=ANSWER_WITHIN_S)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == param and all(word in error["message"] for word in words), error
+    assert error["param"] == param, error
+    for word in words:
+        assert any(alternative in error["message"] for alternative in ((word,) if isinstance(word, str) else word)), error
 
 
 def chat(**fields) -> dict:
@@ -77,7 +79,8 @@ HOSTILE = {
         "messages", ["--sandbox-timeout"]),
     "3,000 chained grammar rules": ("/v1/chat/completions",
                                     chat(structured_outputs={"grammar": chained_grammar(3000)}),
-                                    "structured_outputs", ["crashed", "SIGSEGV"]),
+                                    # the sandbox's stack overflows, or on a busy machine its time runs out first
+                                    "structured_outputs", [("SIGSEGV", "--sandbox-timeout")]),
     "50,000 choices": ("/v1/chat/completions", chat(structured_outputs={"choice": [f"c{i}" for i in range(50000)]}),
                        "structured_outputs", ["--max-structured-choices"]),
     "(a{1000}){1000}": ("/v1/completions", {"prompt": "x", "max_tokens": 2,
