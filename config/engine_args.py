@@ -140,6 +140,8 @@ class EngineArgs:
     sandbox_processes: int = 2
     sandbox_timeout: float = 3.0
     sandbox_memory_bytes: HumanInt = 2**30
+    max_stored_responses: int = 1000
+    max_stored_response_bytes: HumanInt = 64 * 2**20
     # compilation_config: one JSON-valued flag
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
@@ -227,6 +229,9 @@ def _resolve_frontend(frontend: FrontendConfig, model: ModelConfig) -> FrontendC
     for name in at_least_one:
         if getattr(frontend, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(frontend, name)}")
+    for name in ("max_stored_responses", "max_stored_response_bytes"):
+        if getattr(frontend, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(frontend, name)}")
     if frontend.sandbox_timeout <= 0:
         raise ValueError(f"--sandbox-timeout must be positive, got {frontend.sandbox_timeout}")
     if frontend.sandbox_memory_bytes < MIN_SANDBOX_MEMORY_BYTES:

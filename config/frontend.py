@@ -49,3 +49,7 @@ class FrontendConfig:
     """Seconds one chat template render or grammar check may take; past it the request gets a 400 and the process is replaced."""
     sandbox_memory_bytes: HumanInt = 2**30
     """Memory (data segment) of each sandbox process: a template or grammar needing more gets a 400."""
+    max_stored_responses: int = 1000
+    """Most Responses API responses each API server keeps (GET /v1/responses/{id}, previous_response_id); the oldest go first. 0 stores none."""
+    max_stored_response_bytes: HumanInt = 64 * 2**20
+    """Most bytes of stored responses (their JSON) each API server keeps; the oldest go first."""

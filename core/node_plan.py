@@ -103,6 +103,9 @@ class APIServerPlan(msgspec.Struct):
     sandbox_processes: int
     """Its children that render chat templates and check grammars
     (frontend/sandbox.py), named by core.process_names.sandbox_name."""
+    response_store_addresses: list[str]
+    """Where each API server of this launch answers for its stored responses
+    (frontend/response_peers.py), this one's at `index`."""
 
 
 class CoordinatorPlan(msgspec.Struct):

@@ -9,6 +9,7 @@ dead. Tokenising and chat templating run on threads, off the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -39,6 +40,10 @@ from fleet.frontend.protocol import (
     TokenizeRequest,
     now,
 )
+from fleet.frontend.response_peers import PeerUnreachable, ResponsePeers
+from fleet.frontend.response_store import ResponseStore
+from fleet.frontend.responses import ResponsesServing
+from fleet.frontend.responses_protocol import ResponsesRequest
 from fleet.frontend.sandbox import Sandbox, startup_info
 from fleet.frontend.serving import RequestFailed, Serving
 
@@ -57,10 +62,21 @@ class APIError(Exception):
         self.param = param
 
 
-def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox) -> FastAPI:
-    app = FastAPI(title="fleet", version=fleet.__version__)
+def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox, response_store_addresses: list[str]) -> FastAPI:
+    """`response_store_addresses`: where each API server of this launch answers for its stored responses."""
+    store = ResponseStore(config.frontend.max_stored_responses, config.frontend.max_stored_response_bytes)
+    peers = ResponsePeers(engine.client_index, response_store_addresses, store)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        peers.start()
+        yield
+        await peers.stop()
+
+    app = FastAPI(title="fleet", version=fleet.__version__, lifespan=lifespan)
     served_names = config.model.served_model_name or [config.model.model]
     serving = Serving(engine, served_names[0], sandbox)
+    responses = ResponsesServing(serving, store, engine.client_index, peers.get)
     metrics = engine.metrics
     api_key = config.frontend.api_key
 
@@ -99,6 +115,10 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox) -> Fas
     @app.exception_handler(InvalidParameter)
     async def invalid_parameter(_: Request, error: InvalidParameter):
         return error_response(400, str(error), error.param)
+
+    @app.exception_handler(PeerUnreachable)
+    async def peer_unreachable(_: Request, error: PeerUnreachable):
+        return error_response(503, str(error))
 
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(ServerStopping)
@@ -220,6 +240,43 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox) -> Fas
             return _stream(serving.chat_stream(body, prepared, tools))
         return await _unless_disconnected(serving.chat(body, prepared, tools), request)
 
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        check_model(body.model)
+        turn = await responses.prepare(body)
+        if body.stream:
+            return StreamingResponse(responses.stream(turn), media_type="text/event-stream")
+        return await _unless_disconnected(responses.create(turn), request)
+
+    async def stored(response_id: str, action: str = "get"):
+        entry = await peers.act(action, response_id)
+        if entry is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", "response_id")
+        return entry
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return (await stored(response_id)).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str):
+        items = [{"id": item.get("id") or f"item_{index}", **item}
+                 for index, item in enumerate((await stored(response_id)).input_items)]
+        return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+                "last_id": items[-1]["id"] if items else None, "has_more": False}
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        await stored(response_id, "delete")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        entry = await stored(response_id)
+        if not entry.response.get("background"):
+            raise APIError(400, "Only background responses can be cancelled.", "response_id")
+        return (await stored(response_id, "cancel")).response
+
     return app
 
 
@@ -292,7 +349,7 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
                           config.frontend.sandbox_timeout)
         engine = AsyncEngine(config, tokenizer, plan.index, plan.addresses, metrics, plan.load_address)
         engine.connect(plan.num_engines)
-        return engine, sandbox, build_app(engine, config, sandbox)
+        return engine, sandbox, build_app(engine, config, sandbox, plan.response_store_addresses)
 
     engine, sandbox, app = processes.start_or_report(name, info.handshake_address, build)
     drain = config.frontend.shutdown_timeout

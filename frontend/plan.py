@@ -103,9 +103,10 @@ def build_node_plan(config: FleetConfig) -> NodePlan:
     if runs_api_servers(parallel):
         url = f"http://{config.frontend.host}:{config.frontend.port}"
         load_address = coordinator.addresses.loads if coordinator is not None else None
+        stores = [ipc.new_ipc_address(f"responses-{index}") for index in range(len(clients))]
         api_servers = [
             APIServerPlan(api_server_name(index), index, url, addresses, engines_per_api_server(parallel), load_address,
-                          config.frontend.sandbox_processes)
+                          config.frontend.sandbox_processes, stores)
             for index, addresses in enumerate(clients)
         ]
     job_store = StoreLocation(parallel.master_addr, parallel.master_port, "launcher") if parallel.nnodes > 1 else None

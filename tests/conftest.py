@@ -1,7 +1,9 @@
 """Suite-wide fixtures: tiny random-weight models (see tests/tiny_models.py)."""
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,3 +46,28 @@ def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
         directory, "qwen2_moe", seed=3, num_experts=8, moe_intermediate_size=32,
         shared_expert_intermediate_size=64, tie_word_embeddings=True, **MOE_DIMS,
     ))
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<s>system\nTools:{% for tool in tools %} {{ tool['function']['name'] }}"
+    "{{ tool['function']['parameters'] | tojson }}{% endfor %}</s>\n{% endif %}"
+    "{% for message in messages %}<s>{{ message['role'] }}\n"
+    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}<tool_call>"
+    "{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}</tool_call>{% endfor %}{% endif %}"
+    "{% if message['tool_call_id'] is defined %}[{{ message['tool_call_id'] }}] {% endif %}"
+    "{{ message['content'] }}</s>\n{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+"""A small Hermes-style template that shows tools, calls and tool results (the tiny model's own shows none)."""
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tiny_llama_dir, tmp_path_factory) -> str:
+    """The tiny Llama with HERMES_TEMPLATE as its chat template."""
+    path = tmp_path_factory.mktemp("tiny-llama-tools")
+    for item in Path(tiny_llama_dir).iterdir():
+        if item.name != "tokenizer_config.json":
+            (path / item.name).symlink_to(item)
+    config = json.loads((Path(tiny_llama_dir) / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    return str(path)

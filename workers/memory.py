@@ -83,6 +83,8 @@ class NodeMemory(NamedTuple):
     worker: WorkerMemory
     kv_cache_source: str
     """How each worker's KV cache was sized: the flag, the node's share, or the launch's use."""
+    response_store_bytes: int = 0
+    """The API servers' stored responses (--max-stored-response-bytes each)."""
 
     @property
     def footprint(self) -> int:
@@ -91,8 +93,9 @@ class NodeMemory(NamedTuple):
 
     @property
     def service_bytes(self) -> int:
-        """The launcher, API servers, engines, coordinator and sandbox processes."""
-        return self.num_service_processes * SERVICE_PROCESS_BYTES + self.num_sandbox_processes * SANDBOX_PROCESS_BYTES
+        """The launcher, API servers (their stored responses too), engines, coordinator and sandbox processes."""
+        return (self.num_service_processes * SERVICE_PROCESS_BYTES + self.num_sandbox_processes * SANDBOX_PROCESS_BYTES
+                + self.response_store_bytes)
 
     def summary(self) -> dict[str, object]:
         """What `fleet plan` shows."""
@@ -101,6 +104,7 @@ class NodeMemory(NamedTuple):
             "workers": self.num_workers,
             "service_processes": self.num_service_processes,
             "sandbox_processes": self.num_sandbox_processes,
+            "response_store_bytes": self.response_store_bytes,
             "per_worker": self.worker._asdict(),
             "kv_cache_per_worker": human_bytes(self.worker.kv_cache),
             "kv_cache_sized_by": self.kv_cache_source,
@@ -117,6 +121,7 @@ def node_memory(config: FleetConfig, node_bytes: int | None = None, num_workers:
     parallel = config.parallel
     workers = len(node_worker_ranks(parallel)) if num_workers is None else num_workers
     services, sandboxes = num_service_processes(config), num_sandbox_processes(config)
+    stores = num_api_servers(config) * config.frontend.max_stored_response_bytes
     weights, activations = worker_weight_bytes(config), worker_activation_bytes(config)
     runtime = WORKER_RUNTIME_BYTES + (COMPILED_DECODE_BYTES if config.compilation.mode == "torch_compile" else 0)
     fixed = WorkerMemory(weights, activations, runtime, 0)
@@ -124,13 +129,14 @@ def node_memory(config: FleetConfig, node_bytes: int | None = None, num_workers:
         kv_cache, source = int(config.cache.kv_cache_memory_bytes), "--kv-cache-memory-bytes"
     else:
         fleet_share = config.cache.gpu_memory_utilization * node_bytes
-        spare = fleet_share - workers * fixed.total - services * SERVICE_PROCESS_BYTES - sandboxes * SANDBOX_PROCESS_BYTES
+        spare = (fleet_share - workers * fixed.total - services * SERVICE_PROCESS_BYTES
+                 - sandboxes * SANDBOX_PROCESS_BYTES - stores)
         node_kv = max(0.0, min(KV_SHARE_OF_NODE * node_bytes, spare))
         kv_cache, source = int(node_kv // max(workers, 1)), "the node's share"
         usable = usable_kv_cache_bytes(config)
         if usable <= kv_cache:
             kv_cache, source = usable, "--max-num-seqs x --max-model-len"
-    plan = NodeMemory(node_bytes, workers, services, sandboxes, fixed._replace(kv_cache=kv_cache), source)
+    plan = NodeMemory(node_bytes, workers, services, sandboxes, fixed._replace(kv_cache=kv_cache), source, stores)
     _check_one_sequence_fits(config, plan)
     return plan
 
@@ -145,17 +151,19 @@ def planned_kv_cache_bytes(config: FleetConfig) -> int | None:
     return node_memory(config).worker.kv_cache
 
 
+def num_api_servers(config: FleetConfig) -> int:
+    return config.frontend.api_server_count if runs_api_servers(config.parallel) else 0
+
+
 def num_service_processes(config: FleetConfig) -> int:
     """Processes of this node besides its workers: the launcher, API servers, engines, coordinator."""
     parallel = config.parallel
-    api_servers = config.frontend.api_server_count if runs_api_servers(parallel) else 0
-    return 1 + api_servers + len(node_engine_ranks(parallel)) + int(runs_dp_coordinator(parallel))
+    return 1 + num_api_servers(config) + len(node_engine_ranks(parallel)) + int(runs_dp_coordinator(parallel))
 
 
 def num_sandbox_processes(config: FleetConfig) -> int:
     """The sandbox processes of this node's API servers."""
-    api_servers = config.frontend.api_server_count if runs_api_servers(config.parallel) else 0
-    return api_servers * config.frontend.sandbox_processes
+    return num_api_servers(config) * config.frontend.sandbox_processes
 
 
 def _check_one_sequence_fits(config: FleetConfig, plan: NodeMemory) -> None:

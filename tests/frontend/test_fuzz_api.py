@@ -1,5 +1,5 @@
 """Property-based fuzz of the routes that take a body: completions, chat
-completions, /tokenize and /detokenize, with bodies drawn from the server's
+completions, responses, /tokenize and /detokenize, with bodies drawn from the server's
 own OpenAPI schema (tests/frontend/schema_bodies.py). No body may get a 5xx
 (nor a stream an error event of one), and after the fuzz every process still
 runs and nothing is left tracked, running or holding KV blocks.
@@ -29,7 +29,7 @@ from fleet.tests.frontend.server import Server
 
 pytestmark = pytest.mark.slow
 
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
 EXAMPLES = int(os.environ.get("FLEET_FUZZ_EXAMPLES", "150"))
 FUZZ_SETTINGS = settings(
     max_examples=EXAMPLES,

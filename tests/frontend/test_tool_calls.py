@@ -7,7 +7,6 @@ alone on the formats the models write."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import openai
@@ -32,18 +31,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-HERMES_TEMPLATE = (
-    "{% if tools %}<s>system\nTools:{% for tool in tools %} {{ tool['function']['name'] }}"
-    "{{ tool['function']['parameters'] | tojson }}{% endfor %}</s>\n{% endif %}"
-    "{% for message in messages %}<s>{{ message['role'] }}\n"
-    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}<tool_call>"
-    "{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}</tool_call>{% endfor %}{% endif %}"
-    "{% if message['tool_call_id'] is defined %}[{{ message['tool_call_id'] }}] {% endif %}"
-    "{{ message['content'] }}</s>\n{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
-"""A small Hermes-style template that shows tools, calls and tool results (the tiny model's own shows none)."""
-
-
 def assert_valid_calls(calls, names=("get_weather", "get_time")) -> None:
     assert calls
     for call in calls:
@@ -112,18 +99,6 @@ def test_tool_choice_checks():
 
 
 # ---------------------------------------------------------------- a server with a tool-aware template
-
-
-@pytest.fixture(scope="module")
-def tool_model_dir(tiny_llama_dir, tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny-llama-tools")
-    for item in Path(tiny_llama_dir).iterdir():
-        if item.name != "tokenizer_config.json":
-            (path / item.name).symlink_to(item)
-    config = json.loads((Path(tiny_llama_dir) / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
-    (path / "chat_template.jinja").unlink(missing_ok=True)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
