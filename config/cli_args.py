@@ -21,10 +21,22 @@ ALIASES: dict[str, list[str]] = {
     "tensor_parallel_size": ["-tp", "--tp"],
     "pipeline_parallel_size": ["-pp", "--pp"],
     "data_parallel_size": ["-dp", "--dp"],
+    "data_parallel_size_local": ["-dpl"],
+    "data_parallel_rank": ["-dpn"],
+    "data_parallel_start_rank": ["-dpr"],
+    "data_parallel_address": ["-dpa"],
+    "data_parallel_rpc_port": ["-dpp"],
+    "data_parallel_hybrid_lb": ["-dph"],
+    "data_parallel_external_lb": ["-dpe"],
+    "data_parallel_backend": ["-dpb"],
     "enable_expert_parallel": ["-ep"],
     "nnodes": ["-n"],
     "node_rank": ["-r"],
+    "gpu_memory_utilization": ["--device-memory-utilization"],
+    "api_server_count": ["-asc"],
+    "compilation_config": ["-cc"],
 }
+"""Other names of a field's flag: vLLM's, which mean the same."""
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -53,6 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         fields_help = "; ".join(f"{f.name}: {attribute_docs(cls).get(f.name, '')}" for f in dataclasses.fields(cls))
         group.add_argument(
             flag_name(name),
+            *ALIASES.get(name, []),
             dest=name,
             type=dataclass_parser(cls),
             default=cls(),
@@ -201,9 +214,9 @@ def _human_numbers_as_ints(value: Any) -> Any:
 
 
 def split_dotted_nested_args(argv: list[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    """Take `--compilation-config.KEY VALUE` (or `=VALUE`) out of argv, as
-    {"compilation_config": {"KEY": value}}; values are JSON where they parse."""
-    prefixes = {flag_name(name) + ".": name for name in NESTED_GROUPS}
+    """Take `--compilation-config.KEY VALUE` (or `=VALUE`, or `-cc.KEY`) out of
+    argv, as {"compilation_config": {"KEY": value}}; values are JSON where they parse."""
+    prefixes = {option + ".": name for name in NESTED_GROUPS for option in [flag_name(name), *ALIASES.get(name, [])]}
     rest: list[str] = []
     dotted: dict[str, dict[str, Any]] = {}
     i = 0
@@ -253,9 +266,23 @@ def engine_args_from_namespace(namespace: argparse.Namespace, dotted: dict[str, 
     return EngineArgs(**values)
 
 
+def dashes_in_flag_names(argv: list[str]) -> list[str]:
+    """`--max_model_len 512` is `--max-model-len 512`, as vLLM's parser takes it:
+    underscores become dashes in the names of long flags (before any `.KEY`
+    or `=VALUE`), never in values."""
+    normalised = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg:
+            name, sep, value = arg.partition("=")
+            flag, dot, key = name.partition(".")
+            arg = flag.replace("_", "-") + dot + key + sep + value
+        normalised.append(arg)
+    return normalised
+
+
 def parse_engine_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineArgs]:
     """Parse argv (with --config and dotted nested keys) into EngineArgs."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = dashes_in_flag_names(list(sys.argv[1:] if argv is None else argv))
     try:
         argv, dotted = split_dotted_nested_args(expand_config_file(argv))
         namespace = parser.parse_args(argv)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from fleet.config.cli_args import OneLineErrorParser, add_engine_args, parse_engine_args
+from fleet.config.vllm_flags import IGNORED_DEST, IgnoredFlag, add_vllm_flags
 from fleet.workers.memory import check_fits, node_memory
+
+logger = logging.getLogger("fleet.launch")
 
 COMMANDS = {
     "launch": "Serve a model over an OpenAI-compatible HTTP API.",
@@ -19,12 +23,20 @@ COMMANDS = {
 }
 
 
+VLLM_FLAGS_EPILOG = (
+    "vLLM's `vllm serve` flags parse too (and --max_model_len for --max-model-len): those fleet has no use for "
+    "are ignored, each with a line in the log saying why; those it cannot honour (LoRA, speculative decoding, "
+    "quantization methods, ...) are refused. The list and the reasons: fleet/config/vllm_flags.py."
+)
+
+
 def launch_parser(command: str) -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog=f"fleet {command}", description=COMMANDS[command])
+    parser = OneLineErrorParser(prog=f"fleet {command}", description=COMMANDS[command], epilog=VLLM_FLAGS_EPILOG)
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="Model to serve (same as --model).")
     parser.add_argument("--config", metavar="FILE.yaml",
                         help="YAML file of flag values; flags on the command line win.")
     add_engine_args(parser)
+    add_vllm_flags(parser)
     return parser
 
 
@@ -47,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench":
         return _bench(rest)
     parser = launch_parser(command)
-    _, engine_args = parse_engine_args(parser, rest)
+    namespace, engine_args = parse_engine_args(parser, rest)
+    _log_ignored(command, getattr(namespace, IGNORED_DEST))
     if command in ("launch", "serve"):
         from fleet.core.ipc import private_socket_dir
 
@@ -79,6 +92,20 @@ def _run(command: str, parser: argparse.ArgumentParser, engine_args) -> int:
     from fleet.frontend.launcher import launch
 
     return launch(config, plan)
+
+
+def _log_ignored(command: str, ignored: tuple[IgnoredFlag, ...]) -> None:
+    """One line on stderr per vLLM flag that this command ignores, before anything starts."""
+    if not ignored:
+        return
+    if command in ("launch", "serve"):
+        from fleet.core.processes import log_as
+
+        log_as("fleet-launch")  # as the launcher logs
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")  # as `fleet prepare` logs
+    for flag in ignored:
+        logger.warning("%s: ignored: %s", flag.flag, flag.reason)
 
 
 def _bench(argv: list[str]) -> int:
