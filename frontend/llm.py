@@ -5,6 +5,7 @@ import itertools
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fleet.config.engine_args import EngineArgs
@@ -23,6 +24,29 @@ from fleet.frontend.tokenizer import load_tokenizer, render_chat
 from fleet.workers.memory import check_fits, node_memory
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result, shaped as vLLM's: the vector is `.outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.embedding or []), output.finished)
 
 
 class LLM:
@@ -94,15 +118,19 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True) -> list[RequestOutput]:
-        """One embedding per prompt, in order (RequestOutput.embedding): the
-        model's final hidden states pooled by --pooling-type (the last
-        token's, or the mean), L2-normalised."""
+    def embed(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order, as vLLM returns them
+        (`.outputs.embedding`): the model's final hidden states pooled by
+        --pooling-type (the last token's, or the mean), L2-normalised."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) or _is_token_ids(prompts) else list(prompts)
         pooling = self.config.model.pooling_type
         states = [self._submit(prompt, EMBEDDING_PARAMS, pooling) for prompt in prompt_list]
         self._wait(states, use_tqdm)
-        return [state.output for state in states]
+        return [EmbeddingRequestOutput.of(state.output) for state in states]
+
+    def get_tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer), as vLLM's LLM.get_tokenizer."""
+        return self._require_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without SamplingParams gets: the model's generation

@@ -351,7 +351,8 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _completion_tokens_alias(self):
-        if self.max_completion_tokens is not None and self.max_tokens is None:
+        """OpenAI's newer name wins when both are given, as in vLLM."""
+        if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
 

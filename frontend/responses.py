@@ -119,10 +119,11 @@ class ResponsesServing:
         try:
             async for sequence, _new, _first, _end, _output in self.serving._sequence_updates(
                     turn.prepared, turn.request.priority, outputs):
-                delta, calls = text.advance(sequence)
-                if delta.get("content"):
-                    for event in message.add(delta["content"]):
-                        yield event
+                deltas, calls = text.advance(sequence)
+                for delta in deltas:
+                    if delta.get("content"):
+                        for event in message.add(delta["content"]):
+                            yield event
         except UNSERVED as error:
             failed = {**response, "status": "failed", "error": {"code": "server_error", "message": _failure(error)}}
             yield events.emit("error", code="server_error", message=_failure(error), param=None)

@@ -17,7 +17,7 @@ from fleet.frontend.output_processor import EMBEDDING_PARAMS, CompletionOutput, 
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, now, random_id
 from fleet.frontend.sandbox import Sandbox
 from fleet.frontend.tokenizer import chat_render_request
-from fleet.frontend.tool_calls import ToolChoice
+from fleet.frontend.tool_calls import ToolCall, ToolChoice
 
 COMPLETION_MAX_TOKENS = 16
 """max_tokens of a completion request that sets none."""
@@ -291,16 +291,20 @@ class Serving:
             logprobs = None
             if request.logprobs:
                 logprobs = {"content": self._chat_logprobs(sequence, request.top_logprobs or 0, first, end)}
-            delta, calls = streams[sequence.index].advance(sequence)
-            choice = {
-                "index": sequence.index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": _finish_reason(sequence, calls) if sequence.finished else None,
-            }
-            if sequence.finished:
-                choice["stop_reason"] = sequence.stop_reason
-            yield _event({**base, "choices": [choice], **self._running_usage(request, output, sequence)})
+            deltas, calls = streams[sequence.index].advance(sequence)
+            if not deltas and not (logprobs and logprobs["content"]):
+                continue  # tokens held back (a call may be starting): nothing to send yet
+            for position, delta in enumerate(deltas or [{}]):
+                ends = sequence.finished and position == len(deltas) - 1
+                choice = {
+                    "index": sequence.index,
+                    "delta": delta,
+                    "logprobs": logprobs if position == 0 else None,
+                    "finish_reason": _finish_reason(sequence, calls) if ends else None,
+                }
+                if ends:
+                    choice["stop_reason"] = sequence.stop_reason
+                yield _event({**base, "choices": [choice], **self._running_usage(request, output, sequence)})
         if request.stream_options and request.stream_options.include_usage:
             yield _event({**base, "choices": [], "usage": _usage(outputs)})
         yield "data: [DONE]\n\n"
@@ -415,32 +419,38 @@ class StreamCursor:
 
 class ToolCallStream:
     """One streamed choice of a chat with tools: its text goes out as content
-    until a tool call may be starting; at the end, the calls go out whole in
-    one delta, with the content that followed them. What the client pieces
-    together is the non-streamed reply."""
+    until a tool call may be starting; once the reply is complete, each call
+    goes out as OpenAI streams one (a delta naming the function, then one with
+    its arguments), before the final delta that carries the finish reason, so
+    that the SDK's stream helpers see each call's arguments done. What the
+    client pieces together is the non-streamed reply."""
 
     def __init__(self, tools: ToolChoice):
         self.tools = tools
         self.sent = 0
         """Characters of the text sent as content."""
 
-    def advance(self, sequence: CompletionOutput) -> tuple[dict, list]:
-        """The delta to send now, and (once the sequence finished) its calls."""
+    def advance(self, sequence: CompletionOutput) -> tuple[list[dict], list[ToolCall]]:
+        """The deltas to send now (none while text is held back; once the
+        sequence finished, at least one, the last ending the choice) and its calls."""
         text = sequence.text
         if not sequence.finished:
             safe = self.tools.content_prefix_length(text)
             content, self.sent = text[self.sent : max(safe, self.sent)], max(safe, self.sent)
-            return ({"content": content} if content else {}), []
+            return ([{"content": content}] if content else []), []
         content, calls = self.tools.parse(text)
         sent, unsent = text[: self.sent], text[self.sent :]
         self.sent = len(text)
         if not calls:
-            return ({"content": unsent} if unsent else {}), []
-        delta: dict = {"tool_calls": [call.to_openai(index) for index, call in enumerate(calls)]}
+            return [{"content": unsent} if unsent else {}], []
+        deltas = []
         rest = (content or "")[len(sent.lstrip()) :]  # the reply's content is what was sent, then this
         if rest:
-            delta["content"] = rest
-        return delta, calls
+            deltas.append({"content": rest})
+        for index, call in enumerate(calls):
+            named = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            deltas += [{"tool_calls": [named]}, {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+        return [*deltas, {}], calls
 
 
 def _finish_reason(sequence: CompletionOutput, calls: list) -> str | None:

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 import fleet
 from fleet.tests.engine.helpers import assert_no_fleet_processes
@@ -44,10 +45,11 @@ def test_llm_embed_matches_transformers_hidden_states(tiny_llama_dir, pooling):
                    max_num_batched_tokens=32) as llm:
         first = llm.embed(PROMPTS, use_tqdm=False)
         again = llm.embed(PROMPTS[:1], use_tqdm=False)  # last pooling: its full blocks come from the prefix cache
-        for prompt, output in zip(PROMPTS, first, strict=True):
-            assert_close(output.embedding, oracle(tiny_llama_dir, prompt, pooling))
-            assert output.outputs[0].token_ids == [] and output.outputs[0].finish_reason == "stop"
-        assert_close(again[0].embedding, oracle(tiny_llama_dir, PROMPTS[0], pooling))
+        for prompt, output in zip(PROMPTS, first, strict=True):  # vLLM's shape: .outputs.embedding
+            assert_close(output.outputs.embedding, oracle(tiny_llama_dir, prompt, pooling))
+            assert output.finished and output.prompt_token_ids == prompt
+        assert_close(again[0].outputs.embedding, oracle(tiny_llama_dir, PROMPTS[0], pooling))
+        assert llm.get_tokenizer().encode("hello") == AutoTokenizer.from_pretrained(tiny_llama_dir).encode("hello")
     assert_no_fleet_processes()
 
 

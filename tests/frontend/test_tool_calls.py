@@ -75,12 +75,16 @@ def test_a_stream_pieces_together_the_replys_content_and_calls():
     for index, part in enumerate(parts):
         sequence.text += part
         sequence.finish_reason = "stop" if index == len(parts) - 1 else None
-        delta, calls = stream.advance(sequence)
-        assert "<tool" not in delta.get("content", ""), "no part of a call goes out as content"
-        content += delta.get("content", "")
+        deltas, calls = stream.advance(sequence)
+        assert all("<tool" not in delta.get("content", "") for delta in deltas), "no part of a call goes out as content"
+        content += "".join(delta.get("content", "") for delta in deltas)
     whole_content, whole_calls = tools.parse(sequence.text)
     assert content == whole_content == "Let me check. Done."
     assert [call.name for call in calls] == [call.name for call in whole_calls] == ["get_time"]
+    assert deltas[-1] == {}, "the finish reason goes out after the call, alone"
+    named, arguments = [delta["tool_calls"][0] for delta in deltas if "tool_calls" in delta]
+    assert named["function"] == {"name": "get_time", "arguments": ""} and named["id"] == calls[0].id
+    assert arguments == {"index": 0, "function": {"arguments": calls[0].arguments}}
 
 
 def test_tool_choice_checks():
@@ -153,15 +157,29 @@ def test_required_and_named_tool_choice_always_call_validly(client, server):
 
 
 @pytest.mark.slow
-def test_streamed_tool_calls_arrive_whole(client, server):
-    stream = ask(client, server, tools=TOOLS, tool_choice="required", stream=True)
-    calls, finish = {}, None
-    for chunk in stream:
-        for delta_call in chunk.choices[0].delta.tool_calls or []:
-            calls[delta_call.index] = delta_call
-        finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls"
-    assert_valid_calls(list(calls.values()))
+def test_streamed_tool_calls_complete_before_the_finish_reason(client, server):
+    """Each call's name, then its arguments, then a chunk with the finish reason alone: so the SDK's
+    stream helper reports each call's arguments done. No chunk goes out empty while text is held back."""
+    whole = ask(client, server, tools=TOOLS, tool_choice="required", temperature=0)
+    chunks = list(ask(client, server, tools=TOOLS, tool_choice="required", temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and chunks[-1].choices[0].delta.tool_calls is None
+    for chunk in chunks[1:-1]:  # the first names the role
+        delta = chunk.choices[0].delta
+        assert chunk.choices[0].finish_reason is None and (delta.content or delta.tool_calls), chunk
+    with client.chat.completions.stream(model=server.get("/v1/models").json()["data"][0]["id"], max_tokens=200,
+                                        messages=[{"role": "user", "content": "weather?"}], seed=1, temperature=0,
+                                        tools=TOOLS, tool_choice="required") as stream:
+        done = [(event.name, event.arguments) for event in stream
+                if event.type == "tool_calls.function.arguments.done"]
+    expected = [(call.function.name, call.function.arguments) for call in whole.choices[0].message.tool_calls]
+    assert done == expected
+    assert_valid_calls(whole.choices[0].message.tool_calls)
+
+
+@pytest.mark.slow
+def test_max_completion_tokens_wins_over_max_tokens(client, server):
+    reply = ask(client, server, max_tokens=50, max_completion_tokens=3, extra_body={"min_tokens": 3})
+    assert reply.usage.completion_tokens == 3
 
 
 @pytest.mark.slow
@@ -173,14 +191,13 @@ def test_auto_tool_choice_reads_hermes_calls_from_the_text(client, server):
     reply = ask(client, server, **fields).choices[0]
     assert reply.finish_reason == "tool_calls" and reply.message.content == "Sure."
     assert_valid_calls(reply.message.tool_calls, names=("get_weather",))
-    content, calls = "", {}
-    for chunk in ask(client, server, stream=True, **fields):
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for call in delta.tool_calls or []:
-            calls[call.index] = call
+    content = "".join(chunk.choices[0].delta.content or "" for chunk in ask(client, server, stream=True, **fields))
     assert content == "Sure." and "<tool_call>" not in content
-    assert_valid_calls(list(calls.values()), names=("get_weather",))
+    with client.chat.completions.stream(model=server.get("/v1/models").json()["data"][0]["id"], max_tokens=200,
+                                        messages=[{"role": "user", "content": "weather?"}], seed=1, **fields) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    assert streamed.content == "Sure."
+    assert_valid_calls(streamed.tool_calls, names=("get_weather",))
     plain = ask(client, server, tools=TOOLS, max_tokens=20).choices[0]
     assert plain.message.tool_calls is None and plain.message.content, "text without a call is content"
 
