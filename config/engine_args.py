@@ -123,7 +123,7 @@ class EngineArgs:
     # frontend: FrontendConfig
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: list[str] | None = None
     api_server_count: int = 1
     max_request_body_bytes: HumanInt = 8 * 2**20
     shutdown_timeout: float = 10.0
@@ -140,6 +140,8 @@ class EngineArgs:
     sandbox_processes: int = 2
     sandbox_timeout: float = 3.0
     sandbox_memory_bytes: HumanInt = 2**30
+    root_path: str | None = None
+    disable_fastapi_docs: bool = False
     max_stored_responses: int = 1000
     max_stored_response_bytes: HumanInt = 64 * 2**20
     # compilation_config: one JSON-valued flag
@@ -151,6 +153,8 @@ class EngineArgs:
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, parse_human_int(value))
+        if isinstance(self.api_key, str):  # LLM(api_key="k") or FLEET_API_KEY: one key
+            self.api_key = [self.api_key]
         # ... and a nested group as a dict, as vLLM's LLM takes it: LLM(compilation_config={"mode": ...}).
         for name, cls in NESTED_GROUPS.items():
             value = getattr(self, name)
@@ -216,8 +220,8 @@ def _resolve_model(model: ModelConfig, load: LoadConfig, device: DeviceConfig) -
 
 
 def _resolve_frontend(frontend: FrontendConfig, model: ModelConfig) -> FrontendConfig:
-    if frontend.api_key is None:
-        frontend = dataclasses.replace(frontend, api_key=env.api_key())
+    if frontend.api_key is None and env.api_key() is not None:
+        frontend = dataclasses.replace(frontend, api_key=[env.api_key()])
     if frontend.chat_template is not None:
         frontend = dataclasses.replace(frontend, chat_template=_read_chat_template(frontend.chat_template))
     if frontend.max_prompt_chars is None:
@@ -316,6 +320,7 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: DeviceConfig,
     elsewhere: emulated bfloat16 is 3-8x slower there (issue 13). float16
     checkpoints run in bfloat16 on CPUs that have it. GGUF files count as
     bfloat16 (the dtype their quantized weights are multiplied in)."""
+    dtype = {"float": "float32", "half": "float16"}.get(dtype, dtype)
     if dtype != "auto":
         if dtype == "float16" and device.device == "cpu":
             raise ValueError("--dtype float16 is not supported on the CPU; use bfloat16 or float32")

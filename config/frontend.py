@@ -15,8 +15,8 @@ class FrontendConfig:
     """Address the HTTP server listens on (0.0.0.0 for every interface)."""
     port: int = 8000
     """HTTP port."""
-    api_key: str | None = None
-    """Key that clients must send as `Authorization: Bearer KEY`. Default: $FLEET_API_KEY, else none."""
+    api_key: list[str] | None = None
+    """Keys of which clients must send one as `Authorization: Bearer KEY`. Default: $FLEET_API_KEY, else none."""
     api_server_count: int = 1
     """Number of API server processes; all of them reach every engine of this node."""
     max_request_body_bytes: HumanInt = 8 * 2**20
@@ -49,6 +49,10 @@ class FrontendConfig:
     """Seconds one chat template render or grammar check may take; past it the request gets a 400 and the process is replaced."""
     sandbox_memory_bytes: HumanInt = 2**30
     """Memory (data segment) of each sandbox process: a template or grammar needing more gets a 400."""
+    root_path: str | None = None
+    """The path prefix a path-based proxy in front serves fleet under (FastAPI's root_path, for /docs); the proxy strips it."""
+    disable_fastapi_docs: bool = False
+    """Serve no /docs, /redoc or /openapi.json."""
     max_stored_responses: int = 1000
     """Most Responses API responses each API server keeps (GET /v1/responses/{id}, previous_response_id); the oldest go first. 0 stores none."""
     max_stored_response_bytes: HumanInt = 64 * 2**20

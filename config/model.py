@@ -12,7 +12,8 @@ from fleet.config.fields import RESOLVED, HumanInt
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIAS = "smollm2"
 
-ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16", "float", "half"]
+"""`float` and `half` are vLLM's names for float32 and float16."""
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,6 @@ NO_PLUGINS = "fleet loads no Python code named on its command line"
 NUMA = "fleet places its processes itself (on the CPU: its threads over the cores it is given)"
 QUEUE = "fleet queues every request it accepts: no 503 at a queue limit"
 MODEL_CONFIG = "fleet reads the model's own config.json (or GGUF metadata) unchanged"
-DOCS = "fleet serves FastAPI's /docs and /openapi.json pages"
 
 VLLM_FLAGS: dict[str, VllmFlag] = {
     "--additional-config": ignore("value", "fleet has no platform plugins to pass settings to"),
@@ -139,7 +138,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--disable-cascade-attn": ignore("switch", "fleet has no cascade attention (nor has vLLM any more)"),
     "--disable-chunked-mm-input": ignore("switch", TEXT_ONLY),
     "--disable-custom-all-reduce": ignore("switch", COLLECTIVES),
-    "--disable-fastapi-docs": refuse("switch", DOCS),
     "--disable-hybrid-kv-cache-manager": ignore("switch", "fleet's models have one kind of attention layer"),
     "--disable-log-stats": ignore("switch", NO_REQUEST_LOGS),
     "--disable-nccl-for-dp-synchronization": ignore("switch", REPLICA_SYNC),
@@ -321,7 +319,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--return-sampling-mask": refuse("switch", "fleet's responses carry no sampling masks"),
     "--return-tokens-as-token-ids": refuse("switch", "fleet's logprobs name tokens by their text"),
     "--revision": refuse("value", HUB_REVISION, accepts=("main",)),
-    "--root-path": refuse("value", "fleet's routes are at the server's root: have the proxy strip its prefix"),
     "--runner": refuse("value", "fleet runs every model for generation and /v1/embeddings; it has no draft runner",
                        accepts=("auto", "generate", "pooling")),
     "--safetensors-load-strategy": ignore("value", LOADING),
@@ -437,3 +434,21 @@ class VllmFlagAction(argparse.Action):
         recorded = getattr(namespace, IGNORED_DEST, ())
         if ignored not in recorded:
             setattr(namespace, IGNORED_DEST, (*recorded, ignored))
+
+
+def check_vllm_keywords(keywords: dict[str, Any]) -> list[IgnoredFlag]:
+    """vLLM's `LLM(...)` keyword arguments that fleet has no field for
+    (`enforce_eager=True`), by the same table: the ignored ones, to be
+    logged; raises ValueError for a refused one, TypeError for one vLLM does not take either."""
+    ignored = []
+    for name, value in keywords.items():
+        flag = "--" + name.replace("_", "-")
+        entry = VLLM_FLAGS.get(flag) or OLDER_VLLM_FLAGS.get(flag)
+        if entry is None:
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        unset = value is None or value is False
+        if entry.refused and not unset and str(value) not in entry.accepts:
+            raise ValueError(f"{name}={value!r}: not supported: {entry.reason}")
+        if not unset:
+            ignored.append(IgnoredFlag(f"{name}={value!r}", entry.reason))
+    return ignored

@@ -73,14 +73,15 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox, respon
         yield
         await peers.stop()
 
-    app = FastAPI(title="fleet", version=fleet.__version__, lifespan=lifespan)
+    frontend = config.frontend
+    docs = {} if not frontend.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="fleet", version=fleet.__version__, lifespan=lifespan, root_path=frontend.root_path or "",
+                  **docs)
     served_names = config.model.served_model_name or [config.model.model]
     serving = Serving(engine, served_names[0], sandbox)
     responses = ResponsesServing(serving, store, engine.client_index, peers.get)
     metrics = engine.metrics
-    api_key = config.frontend.api_key
-
-    app.add_middleware(Gatekeeper, api_key=api_key, server_index=engine.client_index,
+    app.add_middleware(Gatekeeper, api_keys=config.frontend.api_key, server_index=engine.client_index,
                        max_body_bytes=config.frontend.max_request_body_bytes)
 
     @app.exception_handler(Exception)

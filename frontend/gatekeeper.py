@@ -40,11 +40,13 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-def authorized(headers: Headers, api_key: str) -> bool:
-    """`Authorization: Bearer KEY`, the scheme in any case (RFC 7235), the key
-    compared in constant time so its length and prefix do not leak."""
+def authorized(headers: Headers, api_keys: list[str]) -> bool:
+    """`Authorization: Bearer KEY`, the scheme in any case (RFC 7235), KEY one
+    of `api_keys`, compared in constant time so its length and prefix do not leak."""
     scheme, _, key = headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), api_key.encode())
+    given = key.strip().encode()
+    matches = [hmac.compare_digest(given, api_key.encode()) for api_key in api_keys]  # every one: no early exit
+    return scheme.lower() == "bearer" and any(matches)
 
 
 def too_large(limit: int) -> JSONResponse:
@@ -52,9 +54,9 @@ def too_large(limit: int) -> JSONResponse:
 
 
 class Gatekeeper:
-    def __init__(self, app: ASGIApp, api_key: str | None, server_index: int, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, api_keys: list[str] | None, server_index: int, max_body_bytes: int):
         self.app = app
-        self.api_key = api_key
+        self.api_keys = api_keys
         self.server_header = (b"fleet-api-server", str(server_index).encode())
         self.max_body_bytes = max_body_bytes
 
@@ -73,7 +75,7 @@ class Gatekeeper:
             await send(message)
 
         headers = Headers(scope=scope)
-        if self.api_key and scope["path"].startswith("/v1") and not authorized(headers, self.api_key):
+        if self.api_keys and scope["path"].startswith("/v1") and not authorized(headers, self.api_keys):
             response = error_response(401, "invalid or missing API key: send `Authorization: Bearer KEY`")
             await response(scope, receive, send_named)
             return

@@ -1,7 +1,9 @@
 """fleet.LLM: offline batched generation, with the engine core in its own process."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 import weakref
 from collections.abc import Sequence
@@ -10,6 +12,7 @@ from typing import Any
 
 from fleet.config.engine_args import EngineArgs
 from fleet.config.model import DEFAULT_MODEL
+from fleet.config.vllm_flags import check_vllm_keywords
 from fleet.core.messages import EngineCoreOutputs
 from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.engine_client import EngineClient, EngineDeadError
@@ -22,6 +25,8 @@ from fleet.frontend.output_processor import (
 )
 from fleet.frontend.tokenizer import load_tokenizer, render_chat
 from fleet.workers.memory import check_fits, node_memory
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -53,6 +58,13 @@ class LLM:
     """`LLM(model, **engine_args)`: any EngineArgs field as a keyword."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any):
+        """vLLM's keywords that fleet has no field for are ignored with a log
+        line, or refused, as the flags are (config/vllm_flags.py)."""
+        fields = {field.name for field in dataclasses.fields(EngineArgs)}
+        vllm_only = {name: value for name, value in engine_args.items() if name not in fields}
+        for ignored in check_vllm_keywords(vllm_only):
+            logger.warning("%s: ignored: %s", ignored.flag, ignored.reason)
+        engine_args = {name: value for name, value in engine_args.items() if name in fields}
         self.config = EngineArgs(model=model, **engine_args).create_config()
         if self.config.parallel.data_parallel_size > 1:
             raise ValueError(

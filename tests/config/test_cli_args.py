@@ -144,7 +144,7 @@ def test_literal_fields_accept_exactly_their_choices(parse, capsys, field, choic
 
 def test_literal_choices_are_shown_in_help():
     text = " ".join(launch_parser("launch").format_help().split())
-    assert "--dtype {auto,float32,bfloat16,float16}" in text
+    assert "--dtype {auto,float32,bfloat16,float16,float,half}" in text
     assert "--distributed-executor-backend {uni,mp,ray}" in text
 
 
@@ -159,7 +159,7 @@ def test_int_float_and_str_fields(parse):
     assert (args.seed, args.block_size, args.port) == (7, 32, 9000)
     assert args.gpu_memory_utilization == 0.5 and isinstance(args.gpu_memory_utilization, float)
     assert args.shutdown_timeout == 3.0 and isinstance(args.shutdown_timeout, float)
-    assert (args.host, args.api_key, args.tokenizer) == ("0.0.0.0", "secret", "/tok")
+    assert (args.host, args.api_key, args.tokenizer) == ("0.0.0.0", ["secret"], "/tok")
 
 
 @pytest.mark.parametrize(

@@ -215,8 +215,8 @@ def test_api_key_defaults_to_the_environment(llama_config_dir, monkeypatch):
     monkeypatch.delenv("FLEET_API_KEY", raising=False)
     assert create(llama_config_dir).frontend.api_key is None
     monkeypatch.setenv("FLEET_API_KEY", "from-env")
-    assert create(llama_config_dir).frontend.api_key == "from-env"
-    assert create(llama_config_dir, api_key="flag").frontend.api_key == "flag"
+    assert create(llama_config_dir).frontend.api_key == ["from-env"]
+    assert create(llama_config_dir, api_key="flag").frontend.api_key == ["flag"]
 
 
 def test_api_server_count_below_one_is_an_error(llama_config_dir):

@@ -206,16 +206,39 @@ def test_plan_logs_ignored_flags_on_stderr_and_keeps_stdout_json(llama_config_di
 @pytest.mark.slow
 def test_a_vllm_command_line_serves_and_logs_each_ignored_flag(tiny_llama_dir):
     server = Server(str(tiny_llama_dir), "--enforce-eager", "--disable-log-requests", "--trust-remote-code",
-                    "--max_model_len", "512", "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "16M")
+                    "--max_model_len", "512", "--dtype", "float", "--device", "cpu", "--kv-cache-memory-bytes", "16M",
+                    "--api-key", "k1", "k2", "--root-path", "/llm", "--disable-fastapi-docs")
     try:
-        name = server.get("/v1/models").json()["data"][0]
+        name = server.get("/v1/models", headers={"Authorization": "Bearer k2"}).json()["data"][0]
         assert name["max_model_len"] == 512
         body = {"model": name["id"], "prompt": "hello world", "max_tokens": 4, "min_tokens": 4, "temperature": 0}
-        response = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
-        assert response.status_code == 200, response.text
+        for key, status in (("k3", 401), ("k1", 200), ("k2", 200)):
+            response = httpx.post(f"{server.base_url}/completions", json=body, timeout=60,
+                                  headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == status, response.text
         assert response.json()["usage"]["completion_tokens"] == 4
+        assert server.get("/docs").status_code == server.get("/openapi.json").status_code == 404
         log = "".join(server.log)
         for flag in ("--enforce-eager", "--disable-log-requests", "--trust-remote-code"):
             assert log.count(f"{flag}: ignored: ") == 1, log
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_vllm_offline_script_runs_unchanged(tiny_llama_dir, caplog):
+    """vLLM's LLM keywords: fleet's own fields, ignored ones logged, refused ones a ValueError naming them."""
+    import fleet
+    from fleet.tests.engine.helpers import assert_no_fleet_processes
+
+    with pytest.raises(ValueError, match="enable_lora=True: not supported: fleet serves no LoRA adapters"):
+        fleet.LLM(tiny_llama_dir, enable_lora=True)
+    with pytest.raises(TypeError, match="no_such_keyword"):
+        fleet.LLM(tiny_llama_dir, no_such_keyword=1)
+    with caplog.at_level("WARNING"), fleet.LLM(tiny_llama_dir, trust_remote_code=True, enforce_eager=True, dtype="float",
+                                              device="cpu", kv_cache_memory_bytes="4M", max_model_len=256) as llm:
+        (output,) = llm.generate("hello", fleet.SamplingParams(max_tokens=3, min_tokens=3), use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == 3
+    assert f"trust_remote_code=True: ignored: {VLLM_FLAGS['--trust-remote-code'].reason}" in caplog.messages
+    assert f"enforce_eager=True: ignored: {VLLM_FLAGS['--enforce-eager'].reason}" in caplog.messages
+    assert_no_fleet_processes()
