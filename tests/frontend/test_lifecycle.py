@@ -58,29 +58,44 @@ def test_sigterm_lets_requests_in_flight_finish_before_the_engines_stop(tiny_lla
 
 
 def test_requests_still_running_when_the_drain_ends_get_an_error_not_a_cut(tiny_llama_dir):
-    """A stream gets a final error event and [DONE], a plain request a 503,
-    both naming --shutdown-timeout; the job still ends cleanly."""
+    """A stream gets a final error event and [DONE], a plain request a 503, a
+    Responses stream `error` and `response.failed`, all naming
+    --shutdown-timeout; the job still ends cleanly."""
     server = launch(str(tiny_llama_dir), "--shutdown-timeout", "2")
     long = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
-    plain = {}
+    plain, responses = {}, {}
 
     def in_flight() -> None:
         plain["response"] = server.post("/v1/completions", json=long)
 
-    thread = threading.Thread(target=in_flight)
+    def responses_stream_in_flight() -> None:  # its output is long by its schema: the random model cannot end it
+        schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1500}}, "required": ["s"]}
+        body = {"input": "hello", "max_output_tokens": 1900, "stream": True,
+                "text": {"format": {"type": "json_schema", "name": "long", "schema": schema}}}
+        with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as response:
+            responses["events"] = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines()
+                                   if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=in_flight), threading.Thread(target=responses_stream_in_flight)]
     with httpx.stream("POST", server.url + "/v1/completions", json={**long, "stream": True}, timeout=60) as response:
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        thread.start()
-        assert server.wait_until(lambda: server.metric("fleet:num_requests_running") == 2, timeout=10)
+        for thread in threads:
+            thread.start()
+        assert server.wait_until(lambda: server.metric("fleet:num_requests_running") == 3, timeout=10)
         server.proc.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data: ")]
-    thread.join(timeout=30)
+    for thread in threads:
+        thread.join(timeout=30)
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2].removeprefix("data: "))["error"]
     assert error["code"] == 503 and "--shutdown-timeout 2 s" in error["message"], error
     assert plain["response"].status_code == 503, plain["response"].text
     assert "--shutdown-timeout 2 s" in plain["response"].json()["error"]["message"]
+    error, failed = responses["events"][-2:]  # the Responses API's ending of a failed response
+    assert error["type"] == "error" and "--shutdown-timeout 2 s" in error["message"], error
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert "--shutdown-timeout 2 s" in failed["response"]["error"]["message"]
     assert server.proc.wait(timeout=30) == 0
     server.assert_nothing_left()
 
