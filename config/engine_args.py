@@ -337,6 +337,12 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: DeviceConfig,
 
 def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:
     supported = next((int(hf_config[k]) for k in CONTEXT_LENGTH_KEYS if hf_config.get(k)), None)
+    window = _unsupported_sliding_window(hf_config)
+    if window is not None and (supported is None or window < supported):
+        if requested is not None and requested > window:
+            raise ValueError(f"--max-model-len {requested} is longer than the model's sliding window ({window} tokens): "
+                             "fleet has no sliding-window attention yet, so it serves this model within the window")
+        supported = window
     if supported is None:
         if requested is None:
             raise ValueError("the model's config gives no context length: set --max-model-len")
@@ -346,6 +352,15 @@ def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> 
     if not 0 < requested <= supported:
         raise ValueError(f"--max-model-len {requested} must be in [1, {supported}] (the model's context length)")
     return requested
+
+
+def _unsupported_sliding_window(hf_config: dict[str, Any]) -> int | None:
+    """The sliding window of a Mistral checkpoint that has one (v0.1: 4,096 tokens). fleet attends over
+    the whole sequence, which within the window is the same, so such a model is served only within it."""
+    window = hf_config.get("sliding_window")
+    if hf_config.get("model_type") == "mistral" and isinstance(window, int) and window > 0:
+        return window
+    return None
 
 
 def _resolve_scheduler(scheduler: SchedulerConfig, model: ModelConfig, device: DeviceConfig) -> SchedulerConfig:

@@ -48,6 +48,21 @@ def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     ))
 
 
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3: per-head q/k norms, head_dim 32 (not hidden / heads = 16), q/k/v and o biases."""
+    directory = tmp_path_factory.mktemp("tiny_qwen3")
+    return os.fspath(write_tiny_model(directory, "qwen3", seed=4, head_dim=32, attention_bias=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3-MoE: Qwen3's attention, 8 routed experts (top-2, renormalised), layer 1 dense."""
+    directory = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    return os.fspath(write_tiny_model(directory, "qwen3_moe", seed=5, head_dim=32, num_experts=8,
+                                      moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], **MOE_DIMS))
+
 HERMES_TEMPLATE = (
     "{% if tools %}<s>system\nTools:{% for tool in tools %} {{ tool['function']['name'] }}"
     "{{ tool['function']['parameters'] | tojson }}{% endfor %}</s>\n{% endif %}"

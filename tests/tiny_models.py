@@ -36,6 +36,8 @@ MODEL_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 CHAT_TEMPLATE = (

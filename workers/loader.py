@@ -36,6 +36,8 @@ GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
+    "attn_k_norm": "self_attn.k_norm",
 }
 # Tensors with no HF counterpart: llama.cpp's precomputed llama3 rope factors
 # (we compute them from the config, as transformers does).

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -340,3 +341,22 @@ def test_experts_must_divide_over_the_expert_parallel_ranks(moe_config_dir):
     with pytest.raises(ValueError, match=r"4 experts must divide over the expert-parallel size 3 \(--data-parallel-size 3"):
         create(moe_config_dir, data_parallel_size=3, enable_expert_parallel=True)
     assert create(moe_config_dir, data_parallel_size=3).parallel.expert_parallel_size == 1, "without EP: no constraint"
+
+
+def test_mistral_with_a_sliding_window_is_served_within_it(tmp_path):
+    """No sliding-window attention yet: within the window full attention is the same, beyond it it would
+    answer wrongly, so the context stops at the window."""
+    import transformers
+
+    def mistral(window: int | None) -> Path:
+        path = tmp_path / f"mistral-{window}"
+        transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048,
+                                   sliding_window=window, architectures=["MistralForCausalLM"]).save_pretrained(path)
+        return path
+
+    assert create(mistral(256)).model.max_model_len == 256
+    assert create(mistral(256), max_model_len=200).model.max_model_len == 200
+    with pytest.raises(ValueError, match=r"--max-model-len 512 is longer than the model's sliding window \(256 tokens\)"):
+        create(mistral(256), max_model_len=512)
+    assert create(mistral(None)).model.max_model_len == 2048

@@ -1,5 +1,5 @@
-"""A tiny Llama GGUF of K-quants, mixed as llama.cpp's Q4_K_M mixes them,
-loaded by fleet in float32 with its K-quant weights kept in their
+"""Tiny Llama and Qwen3 GGUFs of K-quants, mixed as llama.cpp's Q4_K_M mixes
+them, loaded by fleet in float32 with their K-quant weights kept in their
 super-blocks, vs transformers loading the same file (dequantized by gguf-py)."""
 from __future__ import annotations
 
@@ -48,11 +48,13 @@ def random_blocks(gguf_type: gguf.GGMLQuantizationType, rows: int, columns: int,
     return blocks.reshape(rows, -1)
 
 
-@pytest.fixture(scope="module")
-def kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = os.fspath(tmp_path_factory.mktemp("kquant_gguf") / "tiny-q4_k_m.gguf")
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def kquant_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The file of architecture `request.param`; Qwen3's has its per-head q/k norms too."""
+    arch = request.param
+    path = os.fspath(tmp_path_factory.mktemp("kquant_gguf") / f"tiny-{arch}-q4_k_m.gguf")
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_name("tiny-q4_k_m")
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
@@ -61,6 +63,8 @@ def kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_key_length(HIDDEN // HEADS)
+    writer.add_value_length(HIDDEN // HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(VOCAB)
@@ -73,6 +77,9 @@ def kquant_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
                               raw_dtype=gguf_type)
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
+        if arch == "qwen3":
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.uniform(0.5, 1.5, HIDDEN // HEADS).astype(np.float32))
     writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
     writer.add_tensor("output.weight", random_blocks(Q6_K, VOCAB, HIDDEN, rng), raw_dtype=Q6_K)
     writer.write_header_to_file()
@@ -113,8 +120,9 @@ def test_kept_k_quants_match_transformers(kquant_gguf: str) -> None:
     meta = AttentionMetadata.build([num_tokens], [num_tokens], [[2, 1]], block_size)
     logits = ours.compute_logits(ours(torch.tensor(PROMPT), torch.arange(num_tokens), kv_caches, meta))
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(kquant_gguf), gguf_file=os.path.basename(kquant_gguf), dtype=torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(  # transformers reads no head_dim from a qwen3 GGUF (fleet does)
+        os.path.dirname(kquant_gguf), gguf_file=os.path.basename(kquant_gguf), dtype=torch.float32,
+        head_dim=HIDDEN // HEADS,
     ).eval()
     expected = hf(torch.tensor([PROMPT])).logits[0]
     assert expected.abs().max() > 0.5  # the comparison is not of near-zero logits

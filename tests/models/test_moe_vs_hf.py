@@ -25,7 +25,7 @@ def tiny_qwen2_moe_mixed_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     ))
 
 
-@pytest.fixture(scope="module", params=["tiny_mixtral_dir", "tiny_qwen2_moe_dir", "tiny_qwen2_moe_mixed_dir"])
+@pytest.fixture(scope="module", params=["tiny_mixtral_dir", "tiny_qwen2_moe_dir", "tiny_qwen2_moe_mixed_dir", "tiny_qwen3_moe_dir"])
 def pair(request: pytest.FixtureRequest) -> Pair:
     return load_pair(request.getfixturevalue(request.param))
 

@@ -32,6 +32,8 @@ LAYOUTS = [
     ("tiny_mixtral_dir", 1, 2, False),
     ("tiny_qwen2_moe_dir", 2, 1, False),
     ("tiny_qwen2_moe_dir", 2, 1, True),
+    ("tiny_qwen3_moe_dir", 2, 1, False),
+    ("tiny_qwen3_moe_dir", 1, 2, False),
 ]
 
 

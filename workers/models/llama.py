@@ -55,6 +55,8 @@ class LlamaSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool
+    """An RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
     hf_config: dict[str, Any]
 
 
@@ -84,12 +86,17 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
         self.head_dim = spec.head_dim
         self.scale = spec.head_dim**-0.5
+        if spec.qk_norm:  # one weight per head dimension, the same on every rank
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(hidden)
+        if hasattr(self, "q_norm"):
+            qkv = self._norm_heads(qkv, q_size, kv_size)
         q = rotate_and_cache(qkv, positions, rotary.cos_sin_cache, kv_cache, meta.slot_mapping,
                              self.num_heads, self.num_kv_heads)
         k = v = None  # fused on the CPU: rotated, and the keys and values are in the cache
@@ -101,6 +108,13 @@ class LlamaAttention(nn.Module):
             q, k = rotary(positions, q, k)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.view(num_tokens, q_size))  # [T, hidden]
+
+    def _norm_heads(self, qkv: torch.Tensor, q_size: int, kv_size: int) -> torch.Tensor:
+        """qkv [T, q + 2 kv] with each query and key head RMS-normalised (the values as they are)."""
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, q_size)  # per head: [T * H, D]
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, kv_size)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -219,6 +233,7 @@ class LlamaForCausalLM(nn.Module):
             qkv_bias=attention_bias,  # Llama's attention_bias covers o_proj too
             o_bias=attention_bias,
             mlp_bias=bool(hf_config.get("mlp_bias", False)),
+            qk_norm=False,
             hf_config=hf_config,
         )
 
@@ -290,4 +305,5 @@ def _param_name(hf_name: str) -> tuple[str, Any]:
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral is Llama's architecture. Sliding-window attention is not
-    implemented: sequences must stay within the window (Mistral v0.2+ has none)."""
+    implemented: a checkpoint with a window (v0.1) is served within it, where
+    full attention is the same (create_config caps --max-model-len; v0.2+ has none)."""

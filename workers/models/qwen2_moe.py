@@ -42,7 +42,7 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         spec = super().spec_from_config(hf_config)
         return moe_spec(
             dataclasses.replace(spec, qkv_bias=bool(hf_config.get("qkv_bias", True))),
-            num_experts=hf_config["num_experts"],
+            num_experts=hf_config.get("num_experts") or hf_config["num_local_experts"],  # transformers 5 writes the latter
             top_k=hf_config["num_experts_per_tok"],
             moe_intermediate_size=hf_config["moe_intermediate_size"],
             renormalize=bool(hf_config.get("norm_topk_prob", False)),
