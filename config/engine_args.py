@@ -355,10 +355,11 @@ def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> 
 
 
 def _unsupported_sliding_window(hf_config: dict[str, Any]) -> int | None:
-    """The sliding window of a Mistral checkpoint that has one (v0.1: 4,096 tokens). fleet attends over
-    the whole sequence, which within the window is the same, so such a model is served only within it."""
+    """The sliding window of a Mistral or Phi-3 checkpoint that has one (Mistral v0.1: 4,096 tokens;
+    Phi-3-mini-4k: 2,047). fleet attends over the whole sequence, which within the window is the same,
+    so such a model is served only within it."""
     window = hf_config.get("sliding_window")
-    if hf_config.get("model_type") == "mistral" and isinstance(window, int) and window > 0:
+    if hf_config.get("model_type") in ("mistral", "phi3") and isinstance(window, int) and window > 0:
         return window
     return None
 

@@ -63,6 +63,17 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return os.fspath(write_tiny_model(directory, "qwen3_moe", seed=5, head_dim=32, num_experts=8,
                                       moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], **MOE_DIMS))
 
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Phi-3 (fused qkv_proj and gate_up_proj in the checkpoint) with Phi-4-mini's partial rotary (half of
+    each head turns) and Phi-3-128k's LongRoPE (prompts stay within its original 512 positions: short factors)."""
+    directory = tmp_path_factory.mktemp("tiny_phi3")
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3, 1.7, 2.2], "long_factor": [3.0, 5.0, 7.0, 9.0]}
+    return os.fspath(write_tiny_model(directory, "phi3", seed=6, pad_token_id=0, original_max_position_embeddings=512,
+                                      rope_parameters=rope))
+
 HERMES_TEMPLATE = (
     "{% if tools %}<s>system\nTools:{% for tool in tools %} {{ tool['function']['name'] }}"
     "{{ tool['function']['parameters'] | tojson }}{% endfor %}</s>\n{% endif %}"

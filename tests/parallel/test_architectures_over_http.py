@@ -12,11 +12,13 @@ from fleet.tests.parallel.dp_helpers import assert_greedy_over_http
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir"])
-def test_greedy_over_http_with_preemption_and_prefix_hits(request, model_fixture):
+# A KV cache of about 128 tokens per worker: two or three of the 8 concurrent requests fit.
+@pytest.mark.parametrize("model_fixture,kv_bytes", [("tiny_qwen3_dir", "128K"), ("tiny_qwen3_moe_dir", "128K"),
+                                                    ("tiny_phi3_dir", "64K")])  # head_dim 16, not 32
+def test_greedy_over_http_with_preemption_and_prefix_hits(request, model_fixture, kv_bytes):
     model_dir = str(request.getfixturevalue(model_fixture))
     server = Server(model_dir, "--tp", "2", "--dtype", "float32", "--device", "cpu",
-                    "--kv-cache-memory-bytes", "128K", "--max-model-len", "64")
+                    "--kv-cache-memory-bytes", kv_bytes, "--max-model-len", "64")
     try:
         assert_greedy_over_http(server, model_dir, count=8, seed=30)
         assert_greedy_over_http(server, model_dir, count=8, seed=30)  # the same prompts again

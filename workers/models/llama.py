@@ -97,8 +97,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if hasattr(self, "q_norm"):
             qkv = self._norm_heads(qkv, q_size, kv_size)
-        q = rotate_and_cache(qkv, positions, rotary.cos_sin_cache, kv_cache, meta.slot_mapping,
-                             self.num_heads, self.num_kv_heads)
+        q = None if rotary.partial else rotate_and_cache(qkv, positions, rotary.cos_sin_cache, kv_cache,
+                                                         meta.slot_mapping, self.num_heads, self.num_kv_heads)
         k = v = None  # fused on the CPU: rotated, and the keys and values are in the cache
         if q is None:
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
