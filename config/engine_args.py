@@ -16,7 +16,14 @@ from fleet.config.fields import HumanInt, HumanReadable, parse_human_int
 from fleet.config.fleet import FleetConfig
 from fleet.config.frontend import FrontendConfig
 from fleet.config.load import LoadConfig
-from fleet.config.model import DEFAULT_MODEL, DEFAULT_MODEL_ALIAS, ModelConfig, ModelDtype, checkpoint_dtype
+from fleet.config.model import (
+    DEFAULT_MODEL,
+    DEFAULT_MODEL_ALIAS,
+    ModelConfig,
+    ModelDtype,
+    checkpoint_dtype,
+    sliding_windows,
+)
 from fleet.config.model_files import is_default_model, locate_model, read_generation_config, read_hf_config
 from fleet.config.parallel import ParallelConfig
 from fleet.config.scheduler import SchedulerConfig
@@ -80,6 +87,7 @@ class EngineArgs:
     seed: int = 0
     max_logprobs: int = 20
     pooling_type: Literal["last", "mean"] = "last"
+    disable_sliding_window: bool = False
     generation_config: str = "auto"
     # parallel: ParallelConfig
     tensor_parallel_size: int = 1
@@ -213,7 +221,7 @@ def _resolve_model(model: ModelConfig, load: LoadConfig, device: DeviceConfig) -
         hf_config=hf_config,
         served_model_name=served,
         dtype=_resolve_dtype(model.dtype, hf_config, device),
-        max_model_len=_resolve_max_model_len(model.max_model_len, hf_config),
+        max_model_len=_resolve_max_model_len(model.max_model_len, hf_config, model.disable_sliding_window),
         eos_token_ids=_eos_token_ids(hf_config, read_generation_config(path)),
         sampling_defaults=_sampling_defaults(model.generation_config, path),
     )
@@ -335,14 +343,14 @@ def _resolve_dtype(dtype: str, hf_config: dict[str, Any], device: DeviceConfig,
     return "bfloat16" if cpu_has_bf16 else "float32"
 
 
-def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> int:
+def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any], disable_sliding_window: bool) -> int:
     supported = next((int(hf_config[k]) for k in CONTEXT_LENGTH_KEYS if hf_config.get(k)), None)
-    window = _unsupported_sliding_window(hf_config)
-    if window is not None and (supported is None or window < supported):
+    window = min((w for w in sliding_windows(hf_config) if w), default=None)
+    if disable_sliding_window and window is not None and (supported is None or window < supported):
         if requested is not None and requested > window:
-            raise ValueError(f"--max-model-len {requested} is longer than the model's sliding window ({window} tokens): "
-                             "fleet has no sliding-window attention yet, so it serves this model within the window")
-        supported = window
+            raise ValueError(f"--max-model-len {requested} is longer than the model's sliding window ({window} tokens), "
+                             "which --disable-sliding-window makes its context")
+        supported = window  # within it, attending to every key is the same as the window
     if supported is None:
         if requested is None:
             raise ValueError("the model's config gives no context length: set --max-model-len")
@@ -352,16 +360,6 @@ def _resolve_max_model_len(requested: int | None, hf_config: dict[str, Any]) -> 
     if not 0 < requested <= supported:
         raise ValueError(f"--max-model-len {requested} must be in [1, {supported}] (the model's context length)")
     return requested
-
-
-def _unsupported_sliding_window(hf_config: dict[str, Any]) -> int | None:
-    """The sliding window of a Mistral or Phi-3 checkpoint that has one (Mistral v0.1: 4,096 tokens;
-    Phi-3-mini-4k: 2,047). fleet attends over the whole sequence, which within the window is the same,
-    so such a model is served only within it."""
-    window = hf_config.get("sliding_window")
-    if hf_config.get("model_type") in ("mistral", "phi3") and isinstance(window, int) and window > 0:
-        return window
-    return None
 
 
 def _resolve_scheduler(scheduler: SchedulerConfig, model: ModelConfig, device: DeviceConfig) -> SchedulerConfig:

@@ -36,6 +36,8 @@ class ModelConfig:
     """Most log-probabilities a request may ask for per token."""
     pooling_type: Literal["last", "mean"] = "last"
     """How embeddings (/v1/embeddings, LLM.embed) pool the final hidden states of a prompt: last (the last token's, vLLM's default for decoder models) or mean. Embeddings are L2-normalised."""
+    disable_sliding_window: bool = False
+    """Attend over whole sequences in every layer, the context capped at the model's smallest sliding window (as vLLM's flag)."""
     generation_config: str = "auto"
     """Sampling defaults for requests that leave them unset. auto: the model's generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens), as vLLM does; vllm: fleet's own (temperature 1, no truncation); or a directory holding a generation_config.json."""
 
@@ -53,6 +55,13 @@ class ModelConfig:
     model's generation_config.json's (Llama 3 lists several)."""
     sampling_defaults: dict[str, Any] = field(default_factory=dict, metadata=RESOLVED)
     """SamplingParams fields from --generation-config, for requests that leave them unset."""
+
+    @property
+    def sliding_window(self) -> int | None:
+        """How far back (in keys) every layer's attention reaches, when every layer's is a sliding window
+        (Mistral v0.1, Phi-3-mini-4k): KV older than that is never read again. None when some layer sees all."""
+        windows = sliding_windows(self.hf_config) if self.hf_config else ()
+        return min(windows) if windows and all(windows) else None
 
     @property
     def num_experts(self) -> int:
@@ -120,3 +129,20 @@ def checkpoint_dtype(hf_config: dict[str, Any]) -> str:
     """The dtype the checkpoint stores (float32 when the config does not say)."""
     dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
     return str(dtype).removeprefix("torch.")
+
+
+def sliding_windows(hf_config: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), as transformers reads
+    the config: `layer_types` where the config lists them; else every layer
+    of a config with a `sliding_window` (Mistral, Phi-3), except in Qwen2/Qwen3
+    configs, where `use_sliding_window` turns it on from `max_window_layers` up."""
+    num_layers, window = hf_config["num_hidden_layers"], hf_config.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        return (0,) * num_layers
+    layer_types = hf_config.get("layer_types")
+    if layer_types:
+        return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    if "use_sliding_window" in hf_config:
+        first = hf_config.get("max_window_layers", 0) if hf_config["use_sliding_window"] else num_layers
+        return tuple(window if i >= first else 0 for i in range(num_layers))
+    return (window,) * num_layers

@@ -141,7 +141,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--disable-hybrid-kv-cache-manager": ignore("switch", "fleet's models have one kind of attention layer"),
     "--disable-log-stats": ignore("switch", NO_REQUEST_LOGS),
     "--disable-nccl-for-dp-synchronization": ignore("switch", REPLICA_SYNC),
-    "--disable-sliding-window": ignore("switch", "fleet serves no sliding-window models (it refuses them at load)"),
     "--disable-uvicorn-access-log": ignore("switch", ACCESS_LOG),
     "--dp-supervisor-probe-failure-threshold": ignore("value", "it only matters with "
                                                       "--data-parallel-multi-port-external-lb"),
@@ -345,7 +344,7 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--ssl-keyfile": refuse("value", HTTPS),
     "--stream-interval": ignore("value", "fleet streams each step's tokens as they come"),
     "--structured-outputs-config": refuse("value", "fleet's structured outputs use llguidance with fixed settings"),
-    "--swa-bounded-replay": ignore("switch", "fleet serves no sliding-window models (it refuses them at load)"),
+    "--swa-bounded-replay": ignore("switch", "fleet's prefix cache keeps every block of a sequence, those of sliding-window layers too"),
     "--tokenizer-mode": refuse("value", "fleet uses the model's Hugging Face tokenizer (or the GGUF file's)",
                                accepts=("auto", "hf")),
     "--tokenizer-revision": refuse("value", HUB_REVISION, accepts=("main",)),

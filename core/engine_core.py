@@ -68,6 +68,7 @@ class EngineCore:
             max_model_len=config.model.max_model_len,
             num_blocks=self.kv_capacity.num_blocks,
             eos_token_ids=config.model.eos_token_ids,
+            sliding_window=config.model.sliding_window,
         )
         self.client_of_request: dict[str, int] = {}
         self.rejected: list[tuple[int, EngineCoreOutput]] = []

@@ -147,18 +147,28 @@ class KVCacheManager:
                                             | cache   |
         blocks needed = ceil((num_computed_tokens + hits + num_new_tokens) / block_size)
 
+    With a sliding window over every layer, a request's leading blocks that
+    no later token reads (all their keys more than the window back) go back
+    to the pool ("slid out"): its KV stays bounded by the window. They stay in
+    its block list, as in the workers' tables, which never read them again.
+
     Args:
         num_blocks: KV capacity in blocks, as the workers allocated it.
         block_size: tokens per block.
         enable_caching: prefix caching on or off.
+        sliding_window: keys back every layer's attention reaches; None when some layer reaches all.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None):
         assert block_size > 0, f"{block_size=} must be positive"
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_slid_out: dict[str, int] = {}
+        """Leading blocks of each request returned to the pool: out of every layer's window."""
         self._num_registered_blocks: dict[str, int] = {}
         """Leading blocks of each request already offered to the prefix cache."""
         self.prefix_cache_queries = 0
@@ -221,6 +231,7 @@ class KVCacheManager:
         """
         computed_blocks = computed_blocks or []
         held = self._req_blocks.get(request.request_id, [])
+        self._release_slid_out(request.request_id, held, request.num_computed_tokens)
         assert not computed_blocks or not held, f"prefix hits for {request.request_id}, which holds blocks"
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         num_required = -(-num_tokens // self.block_size)
@@ -239,6 +250,22 @@ class KVCacheManager:
             self._num_registered_blocks[request.request_id] = len(computed_blocks)
         return [block.block_id for block in added]
 
+    def _release_slid_out(self, request_id: str, held: list[KVCacheBlock], num_computed: int) -> None:
+        """Return the leading blocks whose every key is out of the window of the
+        next token (at position num_computed, reading keys from num_computed - window + 1 on)."""
+        if not self.sliding_window or not held:
+            return
+        oldest_read = max(0, num_computed - self.sliding_window + 1)
+        dead = min(oldest_read // self.block_size, len(held))
+        released = self._num_slid_out.get(request_id, 0)
+        if dead > released:
+            self.block_pool.free(held[released:dead])
+            self._num_slid_out[request_id] = dead
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (its slid-out ones not counted)."""
+        return len(self._req_blocks.get(request_id, ())) - self._num_slid_out.get(request_id, 0)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks that became full of computed tokens (prompt or output)."""
         if not self.enable_caching:
@@ -246,7 +273,7 @@ class KVCacheManager:
         blocks = self._req_blocks.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
         start = self._num_registered_blocks.get(request.request_id, 0)
-        for index in range(start, num_full):
+        for index in range(max(start, self._num_slid_out.get(request.request_id, 0)), num_full):  # held ones only
             self.block_pool.cache_block(blocks[index], request.block_hashes[index])
         self._num_registered_blocks[request.request_id] = max(start, num_full)
 
@@ -255,7 +282,8 @@ class KVCacheManager:
         a later request is likelier to share the head of a prefix than its tail."""
         blocks = self._req_blocks.pop(request.request_id, [])
         self._num_registered_blocks.pop(request.request_id, None)
-        self.block_pool.free(blocks[::-1])
+        released = self._num_slid_out.pop(request.request_id, 0)
+        self.block_pool.free(blocks[released:][::-1])
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()
@@ -264,8 +292,8 @@ class KVCacheManager:
         """Assert the pool is consistent and every held block is counted once per holder."""
         self.block_pool.check_invariants()
         holders: dict[int, int] = {}
-        for blocks in self._req_blocks.values():
-            for block in blocks:
+        for request_id, blocks in self._req_blocks.items():
+            for block in blocks[self._num_slid_out.get(request_id, 0):]:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for block in self.block_pool.blocks:
             num_holders = holders.get(block.block_id, 0)

@@ -97,6 +97,7 @@ class Scheduler:
         max_model_len: int,
         num_blocks: int,
         eos_token_ids: Collection[int],
+        sliding_window: int | None = None,
     ):
         _check_configs(scheduler_config, cache_config, max_model_len, num_blocks)
         self.max_num_batched_tokens: int = scheduler_config.max_num_batched_tokens
@@ -106,7 +107,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching,
+                                               sliding_window)
 
         self.requests: dict[str, Request] = {}
         """Unfinished requests by id."""

@@ -206,9 +206,11 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cached context
-    and the new tokens up to itself.
+    and the new tokens up to itself (with window > 0, over the last `window`
+    of them: sliding-window attention, a key at most window - 1 positions back).
 
     Args:
         query: [T, H, D]; key, value: [T, KVH, D] (H a multiple of KVH: GQA),
@@ -227,24 +229,24 @@ def paged_attention(
     triton = triton_kernels(query, kv_cache)
     if triton is not None:  # CUDA: one kernel for decodes and prefill chunks, reading the blocks in place
         seq_index, kv_lens = meta._token_rows
-        return triton.paged_attention(query, kv_cache, meta.block_tables, seq_index, kv_lens, scale)
+        return triton.paged_attention(query, kv_cache, meta.block_tables, seq_index, kv_lens, scale, window)
     fused = _fused_cpu_ops(query, kv_cache)
     if fused is not None:
         # Decodes and prefill chunks alike: each token is a row attending to
         # the first kv_len tokens of its sequence, all of them in the cache now.
         if meta.decodes_only:  # rows are sequences
-            return fused.paged_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale)
+            return fused.paged_attention(query, kv_cache, meta.block_tables, meta.seq_lens, scale, None, window)
         seq_index, kv_lens = meta._token_rows
-        return fused.paged_attention(query, kv_cache, meta.block_tables, kv_lens, scale, seq_index)
+        return fused.paged_attention(query, kv_cache, meta.block_tables, kv_lens, scale, seq_index, window)
     output = torch.empty_like(query)
     num_decodes = meta.num_decode_seqs
     if num_decodes:
-        output[:num_decodes] = _decode_attention(query[:num_decodes], kv_cache, meta, scale)
+        output[:num_decodes] = _decode_attention(query[:num_decodes], kv_cache, meta, scale, window)
     start = num_decodes  # decodes own exactly one token each
     for seq in range(num_decodes, meta.num_seqs):
         end = start + meta.query_lens[seq]
         output[start:end] = _prefill_attention(
-            query[start:end], key[start:end], value[start:end], kv_cache, meta, seq, scale
+            query[start:end], key[start:end], value[start:end], kv_cache, meta, seq, scale, window
         )
         start = end
     return output
@@ -269,7 +271,7 @@ def _fused_cpu_ops(query: torch.Tensor, kv_cache: torch.Tensor):
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0
 ) -> torch.Tensor:
     """One query token per sequence, all sequences in one batched SDPA call."""
     num_seqs, num_heads, head_dim = query.shape
@@ -285,7 +287,10 @@ def _decode_attention(
     # sequence, so GQA needs no copy of K/V: q [B, KVH, group, D].
     q = query.view(num_seqs, num_kv_heads, group, head_dim)
     length = keys.shape[2]
-    valid = torch.arange(length, device=query.device) < meta.seq_lens[:num_seqs, None]  # [B, L]
+    key_pos, seq_lens = torch.arange(length, device=query.device), meta.seq_lens[:num_seqs, None]
+    valid = key_pos < seq_lens  # [B, L]
+    if window:
+        valid &= key_pos >= seq_lens - window
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -298,12 +303,13 @@ def _prefill_attention(
     meta: AttentionMetadata,
     seq: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention for one sequence's chunk of query_len tokens: [Q, H, D]."""
     query_len, seq_len = meta.query_lens[seq], meta.seq_lens_list[seq]
     context_len = seq_len - query_len
     q = query.transpose(0, 1)  # [H, Q, D]
-    if context_len == 0:
+    if context_len == 0 and not (window and query_len > window):
         # Everything attended to is new: no need to read the cache back.
         k, v = key.transpose(0, 1), value.transpose(0, 1)  # [KVH, Q, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -316,6 +322,8 @@ def _prefill_attention(
     query_pos = torch.arange(context_len, seq_len, device=query.device)
     key_pos = torch.arange(seq_len, device=query.device)
     causal = key_pos[None, :] <= query_pos[:, None]  # [Q, S]
+    if window:
+        causal &= key_pos[None, :] > query_pos[:, None] - window
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 

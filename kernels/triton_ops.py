@@ -167,7 +167,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, query_ptr, cache_ptr, tables_ptr, seq_index_ptr, kv_lens_ptr, scale,
+    out_ptr, query_ptr, cache_ptr, tables_ptr, seq_index_ptr, kv_lens_ptr, scale, window,
     query_stride_t, query_stride_h, out_stride_t, out_stride_h,
     cache_stride_kv, cache_stride_block, cache_stride_slot, cache_stride_head, table_stride, block_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -175,7 +175,8 @@ def _paged_attention_kernel(
 ):
     """One program per (query row, KV head): the GROUP query heads that share
     the KV head attend to the row's first kv_len tokens, found through the
-    sequence's block table; online softmax over tiles of BLOCK_N keys."""
+    sequence's block table; online softmax over tiles of BLOCK_N keys. With
+    window > 0, only the last `window` of them (sliding-window attention)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(seq_index_ptr + row)
@@ -189,7 +190,8 @@ def _paged_attention_kernel(
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for start in range(0, kv_len, BLOCK_N):
+    first = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
+    for start in range(first, kv_len, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_len
         blocks = tl.load(tables_ptr + seq * table_stride + tokens // block_size, mask=token_mask, other=0)
@@ -213,18 +215,19 @@ def _paged_attention_kernel(
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_index: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    seq_index: torch.Tensor, kv_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """Each query row [T, H, D] attends to the first kv_lens[t] tokens of
     sequence seq_index[t] in kv_cache [2, num_blocks, block_size, KVH, D]
     (block_tables [num_seqs, max_blocks]): decodes, prefill chunks and chunks
-    after a cached prefix alike, the causal mask being each row's kv_len."""
+    after a cached prefix alike, the causal mask being each row's kv_len (and
+    with window > 0, each row's last `window` keys only)."""
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     out = torch.empty_like(query)
     if num_rows:
         group = num_heads // num_kv_heads
         _paged_attention_kernel[(num_rows, num_kv_heads)](
-            out, query, kv_cache, block_tables, seq_index, kv_lens, scale,
+            out, query, kv_cache, block_tables, seq_index, kv_lens, scale, window,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
             kv_cache.shape[2],

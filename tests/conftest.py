@@ -74,6 +74,25 @@ def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return os.fspath(write_tiny_model(directory, "phi3", seed=6, pad_token_id=0, original_max_position_embeddings=512,
                                       rope_parameters=rope))
 
+
+SLIDING_WINDOW = 8
+"""The tiny sliding-window models' window: every test prompt reaches past it."""
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_swa_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Mistral v0.1's shape: every layer attends over a sliding window (of 8 tokens here)."""
+    directory = tmp_path_factory.mktemp("tiny_mistral_swa")
+    return os.fspath(write_tiny_model(directory, "mistral", seed=7, sliding_window=SLIDING_WINDOW))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_swa_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3 with use_sliding_window: layers 2 and 3 slide (from max_window_layers up), 0 and 1 see everything."""
+    directory = tmp_path_factory.mktemp("tiny_qwen3_swa")
+    return os.fspath(write_tiny_model(directory, "qwen3", seed=8, head_dim=32, use_sliding_window=True,
+                                      sliding_window=SLIDING_WINDOW, max_window_layers=2))
+
 HERMES_TEMPLATE = (
     "{% if tools %}<s>system\nTools:{% for tool in tools %} {{ tool['function']['name'] }}"
     "{{ tool['function']['parameters'] | tojson }}{% endfor %}</s>\n{% endif %}"

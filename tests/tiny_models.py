@@ -38,6 +38,7 @@ MODEL_CLASSES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 

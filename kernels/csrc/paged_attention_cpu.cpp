@@ -288,6 +288,7 @@ void attend(const Problem<T>& p, int64_t query_row, int64_t head_begin, int64_t 
   const int64_t seq = p.seq_index ? p.seq_index[query_row] : query_row;
   const int32_t* table = p.block_tables + seq * p.table_stride;
   const int64_t kv_len = p.kv_lens[query_row];
+  const int64_t first = p.window > 0 ? std::max<int64_t>(0, kv_len - p.window) : 0;  // sliding window: its start
   const int64_t token_stride = p.num_kv_heads * D;  // between consecutive slots of a block
 
   // Query heads of the span, in order: [heads * G, D].
@@ -305,10 +306,11 @@ void attend(const Problem<T>& p, int64_t query_row, int64_t head_begin, int64_t 
   // tokens earlier through another: a sequence's blocks are scattered, so the
   // hardware prefetcher cannot see them coming.
   const int64_t head_offset = head_begin * D;
-  TokenCursor rows_at{table, bs, token_stride, head_offset}, prefetch_at{table, bs, token_stride, head_offset};
+  TokenCursor rows_at{table, bs, token_stride, head_offset, first / bs, first % bs};
+  TokenCursor prefetch_at = rows_at;
   const int64_t span_bytes = heads * D * static_cast<int64_t>(sizeof(T));
-  int64_t prefetched = 0;
-  for (int64_t t0 = 0; t0 < kv_len; t0 += kTile) {
+  int64_t prefetched = first;
+  for (int64_t t0 = first; t0 < kv_len; t0 += kTile) {
     const int64_t n = std::min(kTile, kv_len - t0);
     for (const int64_t end = std::min(kv_len, t0 + n + kPrefetchAhead); prefetched < end; ++prefetched) {
       const int64_t offset = prefetch_at.next();
@@ -364,7 +366,7 @@ std::vector<WorkItem> plan_work(const Problem<T>& p, int64_t num_rows, int64_t t
   std::vector<int64_t> single_rows;
 #if FLEET_ATTENTION_TILES
   const int64_t per_tile = fleet_attention::tile_tokens(p.group);
-  if (fleet_attention::has_tiles<T>() && p.seq_index && per_tile > 0) {
+  if (fleet_attention::has_tiles<T>() && p.seq_index && per_tile > 0 && p.window == 0) {  // tiles: whole contexts
     for (int64_t run_begin = 0, run_end; run_begin < num_rows; run_begin = run_end) {
       run_end = run_begin + 1;
       while (run_end < num_rows && p.seq_index[run_end] == p.seq_index[run_begin]) ++run_end;
@@ -447,9 +449,12 @@ void check_tables(const int32_t* tables, int64_t table_rows, int64_t table_strid
 }  // namespace
 
 // query [R, H, D]; kv_cache [2, num_blocks, block_size, KVH, D]; block_tables int32 [S, W];
-// kv_lens int32 [R]; scale; seq_index int32 [R] or None (row r -> table row r). Returns [R, H, D].
+// kv_lens int32 [R]; scale; seq_index int32 [R] or None (row r -> table row r); window: > 0, each row
+// attends to its last `window` keys only (sliding-window attention). Returns [R, H, D].
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                           const at::Tensor& kv_lens, double scale, const std::optional<at::Tensor>& seq_index) {
+                           const at::Tensor& kv_lens, double scale, const std::optional<at::Tensor>& seq_index,
+                           int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.dim() == 3, "query must be [rows, heads, head_dim], got ", query.sizes());
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, "
@@ -495,7 +500,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
           block_tables.data_ptr<int32_t>(), block_tables.stride(0),
           seq_ptr, kv_lens.data_ptr<int32_t>(),
           out.data_ptr<scalar_t>(),
-          kv_heads, heads / kv_heads, head_dim, block_size, static_cast<float>(scale)};
+          kv_heads, heads / kv_heads, head_dim, block_size, static_cast<float>(scale), window};
       switch (head_dim) {
         case 64: run<scalar_t, 64>(p, rows); break;
         case 128: run<scalar_t, 128>(p, rows); break;
@@ -508,7 +513,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
 
 TORCH_LIBRARY(fleet_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor kv_lens, float scale, "
-        "Tensor? seq_index=None) -> Tensor");
+        "Tensor? seq_index=None, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fleet_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -19,6 +19,7 @@ struct Problem {
   T* out;                    // [R, H, D] contiguous
   int64_t num_kv_heads, group, head_dim, block_size;
   float scale;
+  int64_t window;            // > 0: a row attends to its last `window` keys only (sliding window); 0: all
 };
 
 // Walks a sequence's tokens in order: element offset of each one's row (at a

@@ -343,9 +343,8 @@ def test_experts_must_divide_over_the_expert_parallel_ranks(moe_config_dir):
     assert create(moe_config_dir, data_parallel_size=3).parallel.expert_parallel_size == 1, "without EP: no constraint"
 
 
-def test_mistral_with_a_sliding_window_is_served_within_it(tmp_path):
-    """No sliding-window attention yet: within the window full attention is the same, beyond it it would
-    answer wrongly, so the context stops at the window."""
+def test_disable_sliding_window_caps_the_context_at_the_window(tmp_path):
+    """vLLM's --disable-sliding-window: within the window full attention is the same, so the context stops there."""
     import transformers
 
     def mistral(window: int | None) -> Path:
@@ -355,8 +354,21 @@ def test_mistral_with_a_sliding_window_is_served_within_it(tmp_path):
                                    sliding_window=window, architectures=["MistralForCausalLM"]).save_pretrained(path)
         return path
 
-    assert create(mistral(256)).model.max_model_len == 256
-    assert create(mistral(256), max_model_len=200).model.max_model_len == 200
+    assert create(mistral(256)).model.max_model_len == 2048, "the window is honoured: the whole context serves"
+    assert create(mistral(256), disable_sliding_window=True).model.max_model_len == 256
+    assert create(mistral(256), disable_sliding_window=True, max_model_len=200).model.max_model_len == 200
     with pytest.raises(ValueError, match=r"--max-model-len 512 is longer than the model's sliding window \(256 tokens\)"):
-        create(mistral(256), max_model_len=512)
-    assert create(mistral(None)).model.max_model_len == 2048
+        create(mistral(256), disable_sliding_window=True, max_model_len=512)
+    assert create(mistral(None), disable_sliding_window=True).model.max_model_len == 2048
+
+
+def test_sliding_windows_per_layer_as_transformers_reads_them():
+    from fleet.config.model import sliding_windows
+
+    assert sliding_windows({"num_hidden_layers": 3, "sliding_window": 8}) == (8, 8, 8)  # Mistral v0.1, Phi-3
+    assert sliding_windows({"num_hidden_layers": 3, "sliding_window": None}) == (0, 0, 0)
+    qwen2 = {"num_hidden_layers": 4, "sliding_window": 8, "max_window_layers": 2}
+    assert sliding_windows({**qwen2, "use_sliding_window": False}) == (0, 0, 0, 0)
+    assert sliding_windows({**qwen2, "use_sliding_window": True}) == (0, 0, 8, 8)
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    assert sliding_windows({**qwen2, "use_sliding_window": True, "layer_types": layer_types}) == (8, 0, 8, 8)

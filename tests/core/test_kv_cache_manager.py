@@ -236,3 +236,28 @@ def test_reset_prefix_cache_then_no_hit():
     manager.reset_prefix_cache()
     assert manager.get_computed_blocks(make_request(prefix + [2], "b"))[1] == 0
     manager.assert_all_free()
+
+
+def test_blocks_out_of_every_layers_window_go_back_to_the_pool():
+    """Window 20 over blocks of 16: after 70 tokens the next one reads keys 51..70, in blocks 3 and 4,
+    so blocks 0-2 are returned (still cached for prefix hits, still listed as the workers list them)."""
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, sliding_window=20)
+    request = make_request(list(range(1, 71)))
+    ids = admit(manager, request)
+    assert len(ids) == 5 and manager.num_held_blocks(request.request_id) == 5
+    assert manager.allocate_slots(request, 1) == []  # position 70: no new block, three released
+    assert manager.num_held_blocks(request.request_id) == 2 and manager.num_free_blocks == 6
+    assert manager.get_block_ids(request.request_id) == ids
+    manager.check_invariants()
+    again = make_request(list(range(1, 71)), request_id="again")
+    blocks, num_computed = manager.get_computed_blocks(again)
+    assert num_computed == 64, "the released blocks still hold their prefix"
+    manager.free(request)
+    manager.assert_all_free()
+
+
+def test_without_a_window_over_every_layer_nothing_is_released():
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    request = make_request(list(range(1, 71)))
+    admit(manager, request)
+    assert manager.allocate_slots(request, 1) == [] and manager.num_held_blocks(request.request_id) == 5

@@ -37,13 +37,17 @@ class PagedCache:
 
 
 def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: list[int], scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: list[int], scale: float, window: int = 0
 ) -> torch.Tensor:
-    """q [Q, H, D], k/v [S, KVH, D]; query i sees keys [0, kv_lens[i]) -> [Q, H, D] float64."""
+    """q [Q, H, D], k/v [S, KVH, D]; query i sees keys [0, kv_lens[i]) (with a window, only the last
+    `window` of them) -> [Q, H, D] float64."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1).double(), v.repeat_interleave(group, dim=1).double()
     scores = torch.einsum("qhd,shd->hqs", q.double(), k) * scale
-    visible = torch.arange(k.shape[0])[None, :] < torch.tensor(kv_lens)[:, None]  # [Q, S]
+    key_pos, lens = torch.arange(k.shape[0])[None, :], torch.tensor(kv_lens)[:, None]
+    visible = key_pos < lens  # [Q, S]
+    if window:
+        visible &= key_pos >= lens - window
     return torch.einsum("hqs,shd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
 
 
@@ -184,7 +188,8 @@ MIXED = [(5, 1), (31, 1), (16, 1), (0, 9), (16, 16), (7, 3), (20, 1), (0, 1), (4
 
 
 def run_mixed_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-                    block_size: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    block_size: int, dtype: torch.dtype, seed: int = 0,
+                    window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """paged_attention on decodes and prefill chunks (with and without cached context). Returns (ours, float64)."""
     totals = [c + q for c, q in seqs]
     cache = PagedCache(totals, num_kv_heads, head_dim, block_size, dtype, seed)
@@ -198,8 +203,8 @@ def run_mixed_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: i
     scale = head_dim**-0.5
     reference = []
     for q, (k, v), (c, n) in zip(query.split([q for _, q in seqs]), keys_values, seqs, strict=True):
-        reference.append(dense_reference(q, k, v, list(range(c + 1, c + n + 1)), scale))
-    ours = paged_attention(query, key, value, cache.kv_cache, meta, scale)
+        reference.append(dense_reference(q, k, v, list(range(c + 1, c + n + 1)), scale, window))
+    ours = paged_attention(query, key, value, cache.kv_cache, meta, scale, window)
     return ours, torch.cat(reference)
 
 
@@ -210,6 +215,17 @@ def test_paged_attention_mixed_batch(ops, fused: bool, dtype: torch.dtype) -> No
     ours, reference = run_mixed_batch(MIXED, 9, 3, 64, 16, dtype)
     assert ours.dtype == dtype
     torch.testing.assert_close(ours.double(), reference, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window_keeps_the_last_keys_only(ops, fused: bool, window: int) -> None:
+    """Decodes and prefill chunks (from scratch and after a context longer than the window) see only
+    keys at most window - 1 positions back; the C++ kernel walks from the window's start."""
+    set_cpu_kernels_enabled(fused)
+    ours, reference = run_mixed_batch(MIXED + [(0, 37), (50, 9)], 8, 2, 64, 16, torch.float32, seed=window,
+                                      window=window)
+    torch.testing.assert_close(ours.double(), reference, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_attention_paths_agree(ops, monkeypatch: pytest.MonkeyPatch) -> None:

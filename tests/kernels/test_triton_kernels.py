@@ -100,8 +100,9 @@ def paged_batch(query_lens: list[int], seq_lens: list[int], num_kv_heads: int, h
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(4, 4, 16, 16), (6, 2, 80, 8), (8, 1, 32, 5)])
-def test_paged_attention_rows_match_torch(dtype, num_heads, num_kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,window",
+                         [(4, 4, 16, 16, 0), (6, 2, 80, 8, 0), (8, 1, 32, 5, 0), (6, 2, 80, 8, 6)])
+def test_paged_attention_rows_match_torch(dtype, num_heads, num_kv_heads, head_dim, block_size, window):
     """Two decodes, a prefill from scratch, and a chunk after a cached prefix
     that ends mid-block: the ragged batch a step sends."""
     from fleet.kernels.attention import paged_attention
@@ -113,14 +114,15 @@ def test_paged_attention_rows_match_torch(dtype, num_heads, num_kv_heads, head_d
     query = torch.randn(num_rows, num_heads, head_dim, generator=generator).to(dtype)
     key, value = (torch.randn(num_rows, num_kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
     scale = head_dim ** -0.5
-    expected = paged_attention(query, key, value, kv_cache.clone(), meta, scale)
+    expected = paged_attention(query, key, value, kv_cache.clone(), meta, scale, window)
     reference_cache = kv_cache.clone()
     write_kv_cache(key, value, reference_cache, meta.slot_mapping)
     triton_cache = on(kv_cache.clone())  # a copy on the CPU too: the write must be the kernel's own
     triton_ops.write_kv_cache(*on(key, value), triton_cache, on(meta.slot_mapping))
     assert torch.equal(triton_cache.cpu(), reference_cache), "the new keys and values land in their slots"
     seq_index, kv_lens = meta._token_rows
-    actual = triton_ops.paged_attention(on(query), triton_cache, *on(meta.block_tables, seq_index, kv_lens), scale)
+    actual = triton_ops.paged_attention(on(query), triton_cache, *on(meta.block_tables, seq_index, kv_lens), scale,
+                                        window)
     assert_close(actual, expected, dtype)
 
 

@@ -80,16 +80,14 @@ def test_checkpoint_names(tiny_mixtral_dir, tiny_qwen2_moe_dir) -> None:
     assert qwen(gate) == (gate, None)
 
 
-def test_unsupported_options_are_refused(tiny_mixtral_dir, tiny_qwen2_moe_dir) -> None:
+def test_sliding_windows_are_read_from_the_config(tiny_mixtral_dir, tiny_qwen2_moe_dir) -> None:
     from fleet.config.model_files import read_hf_config
 
     mixtral = read_hf_config(tiny_mixtral_dir)
-    with pytest.raises(ValueError, match="sliding_window=1024"):
-        MixtralForCausalLM.spec_from_config({**mixtral, "sliding_window": 1024})
-    MixtralForCausalLM.spec_from_config({**mixtral, "sliding_window": 1 << 20})  # never reached: fine
-    qwen = read_hf_config(tiny_qwen2_moe_dir)
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        Qwen2MoeForCausalLM.spec_from_config({**qwen, "use_sliding_window": True})
+    assert MixtralForCausalLM.spec_from_config({**mixtral, "sliding_window": 1024}).sliding_windows == (1024,) * 4
+    qwen = {**read_hf_config(tiny_qwen2_moe_dir), "sliding_window": 64, "max_window_layers": 3}
+    qwen.pop("layer_types", None)  # as a transformers 4 config.json
+    assert Qwen2MoeForCausalLM.spec_from_config({**qwen, "use_sliding_window": True}).sliding_windows == (0, 0, 0, 64)
 
 
 def test_a_missing_expert_is_an_error(tiny_mixtral_dir) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fleet.config.model import sliding_windows
 from fleet.kernels.activation import silu_and_mul
 from fleet.kernels.attention import AttentionMetadata, paged_attention, rotate_and_cache
 from fleet.kernels.rmsnorm import fused_add_rms_norm, rms_norm
@@ -57,6 +58,8 @@ class LlamaSpec:
     mlp_bias: bool
     qk_norm: bool
     """An RMSNorm over each query and key head before the rotary embedding (Qwen3)."""
+    sliding_windows: tuple[int, ...]
+    """Per layer: how many keys back its attention reaches (a sliding window), 0 for all of them."""
     hf_config: dict[str, Any]
 
 
@@ -76,8 +79,9 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str, window: int = 0) -> None:
         super().__init__()
+        self.window = window
         self.qkv_proj = QKVParallelLinear(spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads,
                                           bias=spec.qkv_bias, dtype=dtype, device=device)
         self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias,
@@ -106,7 +110,7 @@ class LlamaAttention(nn.Module):
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
             q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)  # [T, H, D]
         return self.o_proj(out.view(num_tokens, q_size))  # [T, hidden]
 
     def _norm_heads(self, qkv: torch.Tensor, q_size: int, kv_size: int) -> torch.Tensor:
@@ -135,9 +139,9 @@ MlpFactory = Callable[[int], nn.Module]
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str,
-                 mlp: nn.Module | None = None) -> None:
+                 mlp: nn.Module | None = None, window: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, dtype, device)
+        self.self_attn = LlamaAttention(spec, dtype, device, window)
         self.mlp = mlp if mlp is not None else LlamaMLP(spec, dtype, device)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
@@ -171,7 +175,7 @@ class LlamaModel(nn.Module):
         if self.is_first_stage or (self.is_last_stage and spec.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleDict({
-            str(i): LlamaDecoderLayer(spec, dtype, device, make_mlp(i) if make_mlp else None)
+            str(i): LlamaDecoderLayer(spec, dtype, device, make_mlp(i) if make_mlp else None, spec.sliding_windows[i])
             for i in self.layer_indices
         })
         if self.is_last_stage:
@@ -234,6 +238,7 @@ class LlamaForCausalLM(nn.Module):
             o_bias=attention_bias,
             mlp_bias=bool(hf_config.get("mlp_bias", False)),
             qk_norm=False,
+            sliding_windows=sliding_windows(hf_config),
             hf_config=hf_config,
         )
 
@@ -304,6 +309,5 @@ def _param_name(hf_name: str) -> tuple[str, Any]:
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's architecture. Sliding-window attention is not
-    implemented: a checkpoint with a window (v0.1) is served within it, where
-    full attention is the same (create_config caps --max-model-len; v0.2+ has none)."""
+    """Mistral is Llama's architecture; v0.1 attends over a sliding window of
+    4,096 tokens (LlamaSpec.sliding_windows), v0.2+ over everything."""

@@ -52,10 +52,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def spec_from_config(cls, hf_config: dict[str, Any]) -> MoeSpec:
-        window, context = hf_config.get("sliding_window"), hf_config.get("max_position_embeddings", 4096)
-        if window is not None and window < context:
-            raise ValueError(f"Mixtral with sliding_window={window} (< max_position_embeddings={context}) "
-                             "is not supported: sliding-window attention is not implemented")
         return moe_spec(
             super().spec_from_config(hf_config),
             num_experts=hf_config["num_local_experts"],

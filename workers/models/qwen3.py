@@ -1,9 +1,6 @@
 """Qwen3: Llama's architecture with an RMSNorm over each query and key head
 (q_norm, k_norm: weights of head_dim, applied before the rotary embedding),
 an explicit head_dim, and attention_bias on q/k/v and o_proj alike.
-
-Sliding-window attention (`use_sliding_window`, off in released Qwen3
-checkpoints) is not implemented.
 """
 from __future__ import annotations
 
@@ -13,13 +10,7 @@ from typing import Any
 from fleet.workers.models.llama import LlamaForCausalLM, LlamaSpec
 
 
-def refuse_sliding_window(architecture: str, hf_config: dict[str, Any]) -> None:
-    if hf_config.get("use_sliding_window"):
-        raise ValueError(f"{architecture} with use_sliding_window=true is not supported")
-
-
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def spec_from_config(cls, hf_config: dict[str, Any]) -> LlamaSpec:
-        refuse_sliding_window("Qwen3", hf_config)
         return dataclasses.replace(super().spec_from_config(hf_config), qk_norm=True)

@@ -12,13 +12,11 @@ from torch import nn
 from fleet.workers.models.llama import LlamaMLP
 from fleet.workers.models.mixtral import MoeSpec, SparseMoeBlock
 from fleet.workers.models.qwen2_moe import Qwen2MoeForCausalLM
-from fleet.workers.models.qwen3 import refuse_sliding_window
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
     @classmethod
     def spec_from_config(cls, hf_config: dict[str, Any]) -> MoeSpec:
-        refuse_sliding_window("Qwen3-MoE", hf_config)
         spec = super().spec_from_config(hf_config)
         bias = bool(hf_config.get("attention_bias", False))
         return dataclasses.replace(spec, qkv_bias=bias, o_bias=bias, qk_norm=True)
