@@ -58,7 +58,20 @@ def read_hf_config(path: str) -> dict[str, Any]:
     if not os.path.isfile(config_file):
         raise ValueError(f"--model {path!r} has no config.json (expected an HF model directory or a .gguf file)")
     with open(config_file) as f:
-        return json.load(f)
+        return text_model_config(json.load(f))
+
+
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration"}
+"""Image-text architectures whose language model fleet serves alone (their requests carry text only)."""
+
+
+def text_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's language model as a flat config (`text_config`'s fields on top);
+    any other config as it is."""
+    if not set(config.get("architectures") or ()) & TEXT_OF_MULTIMODAL or "text_config" not in config:
+        return config
+    outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    return {**outer, **config["text_config"], "architectures": config["architectures"]}
 
 
 def read_generation_config(path: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fleet.tests.tiny_models import MOE_DIMS, write_tiny_model
+from fleet.tests.tiny_models import MOE_DIMS, write_tiny_gemma3_multimodal, write_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +92,27 @@ def tiny_qwen3_swa_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     directory = tmp_path_factory.mktemp("tiny_qwen3_swa")
     return os.fspath(write_tiny_model(directory, "qwen3", seed=8, head_dim=32, use_sliding_window=True,
                                       sliding_window=SLIDING_WINDOW, max_window_layers=2))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Gemma 3: local layers over a window of 8 with rope base 10,000, every third layer global with base
+    1,000,000 and linear rope scaling; head_dim 32, query_pre_attn_scalar 24, GeGLU, four norms a layer."""
+    directory = tmp_path_factory.mktemp("tiny_gemma3")
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}}
+    return os.fspath(write_tiny_model(directory, "gemma3", seed=9, head_dim=32, query_pre_attn_scalar=24,
+                                      sliding_window=SLIDING_WINDOW, pad_token_id=0, rope_parameters=rope,
+                                      layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                   "sliding_attention"]))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_multimodal_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Gemma 3 as 4B and larger ship it: an image-text checkpoint, of which fleet serves the language model."""
+    directory = tmp_path_factory.mktemp("tiny_gemma3_multimodal")
+    return os.fspath(write_tiny_gemma3_multimodal(directory, seed=10, head_dim=32, sliding_window=SLIDING_WINDOW,
+                                                  pad_token_id=0))
 
 HERMES_TEMPLATE = (
     "{% if tools %}<s>system\nTools:{% for tool in tools %} {{ tool['function']['name'] }}"

@@ -39,6 +39,7 @@ MODEL_CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
@@ -67,6 +68,23 @@ def write_tiny_model(directory: Path, model_type: str, seed: int, dtype: torch.d
     model = model_class(config).to(torch.float32).eval()
     _randomise_biases_and_norms(model, seed)
     model.to(dtype).save_pretrained(directory)
+    write_tiny_tokenizer(directory)
+    return directory
+
+
+def write_tiny_gemma3_multimodal(directory: Path, seed: int, **text_overrides) -> Path:
+    """A seeded random Gemma3ForConditionalGeneration: the tiny text model of TINY_DIMS plus a one-layer
+    vision tower (whose weights fleet skips)."""
+    import transformers
+
+    text = {**TINY_DIMS, **text_overrides}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    _randomise_biases_and_norms(model, seed)
+    model.save_pretrained(directory)
     write_tiny_tokenizer(directory)
     return directory
 

@@ -13,7 +13,8 @@ from fleet.tests.models.paged_pair import BlockPool, Pair, assert_matches_hf, lo
 
 
 @pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_phi3_dir",
-                                                 "tiny_mistral_swa_dir", "tiny_qwen3_swa_dir"])
+                                                 "tiny_mistral_swa_dir", "tiny_qwen3_swa_dir", "tiny_gemma3_dir",
+                                                 "tiny_gemma3_multimodal_dir"])
 def pair(request: pytest.FixtureRequest) -> Pair:
     return load_pair(request.getfixturevalue(request.param))
 

@@ -28,10 +28,12 @@ def word_prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(FIRST_MERGED_TOKEN, 512) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
 
 
-# A KV cache of about 128 tokens per worker: two or three of the 8 concurrent requests fit.
+# A KV cache of about 128 tokens per worker: two or three of the 8 concurrent requests fit, so running
+# ones are preempted; not the Mistral's, whose running requests hold at most its window (blocks slide out).
 @pytest.mark.parametrize("model_fixture,kv_bytes", [("tiny_qwen3_dir", "128K"), ("tiny_qwen3_moe_dir", "128K"),
                                                     ("tiny_phi3_dir", "64K"),  # head_dim 16, not 32
-                                                    ("tiny_mistral_swa_dir", "64K")])  # prompts past its window
+                                                    ("tiny_mistral_swa_dir", "32K"),  # prompts past its window
+                                                    ("tiny_gemma3_dir", "128K"), ("tiny_gemma3_multimodal_dir", "128K")])
 def test_greedy_over_http_with_preemption_and_prefix_hits(request, model_fixture, kv_bytes):
     model_dir = str(request.getfixturevalue(model_fixture))
     server = Server(model_dir, "--tp", "2", "--dtype", "float32", "--device", "cpu",
@@ -39,9 +41,12 @@ def test_greedy_over_http_with_preemption_and_prefix_hits(request, model_fixture
     try:
         prompts = word_prompts(8, seed=30)
         expected = expected_texts(server, model_dir, prompts)
+        assert [body["choices"][0]["text"] for body in complete_concurrently(server, prompts)] == expected
+        assert server.metric("fleet:num_preemptions_total") > 0 or model_fixture == "tiny_mistral_swa_dir"
+        longest = max(range(len(prompts)), key=lambda index: len(prompts[index]))  # a full block or two
         for _ in range(2):  # the second time from the prefix cache
-            assert [body["choices"][0]["text"] for body in complete_concurrently(server, prompts)] == expected
-        assert server.metric("fleet:num_preemptions_total") > 0
+            (body,) = complete_concurrently(server, [prompts[longest]])
+            assert body["choices"][0]["text"] == expected[longest]
         assert server.metric("fleet:prefix_cache_hits_total") > 0
     finally:
         assert server.stop() == 0

@@ -22,6 +22,7 @@ LAYOUTS = {
     "tiny_qwen2_dir": [(2, 1), (1, 2), (2, 2)],
     "tiny_qwen3_dir": [(2, 1), (1, 2)],  # q/k norms per head: the same on every tensor rank
     "tiny_phi3_dir": [(2, 1)],  # the checkpoint's fused projections split over the ranks as separate ones
+    "tiny_gemma3_dir": [(2, 1), (1, 2)],  # local and global layers on either stage
 }
 
 

@@ -210,6 +210,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = self.spec_from_config(hf_config)
         self.model = LlamaModel(self.spec, dtype, device, lambda layer: self.build_mlp(layer, dtype, device))
+        self._init_head_and_facts(dtype, device)
+
+    def _init_head_and_facts(self, dtype: torch.dtype, device: torch.device | str) -> None:
+        """The LM head (last stage) and the facts the runner reads, once self.model is built."""
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(self.spec.vocab_size, self.spec.hidden_size, dtype=dtype, device=device)
             if self.spec.tie_word_embeddings:

@@ -7,6 +7,8 @@ from torch import nn
 
 # architecture -> (module under fleet.workers.models, class name)
 _MODELS = {
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
