@@ -131,17 +131,29 @@ def checkpoint_dtype(hf_config: dict[str, Any]) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def layer_types(hf_config: dict[str, Any]) -> list[str] | None:
+    """Each layer's attention kind ("sliding_attention" or "full_attention") where the config says:
+    `layer_types`, or Gemma's `sliding_window_pattern` (every n-th layer full); None where it does not."""
+    if hf_config.get("layer_types"):
+        return list(hf_config["layer_types"])
+    pattern = hf_config.get("sliding_window_pattern")
+    if pattern:
+        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(hf_config["num_hidden_layers"])]
+    return None
+
+
 def sliding_windows(hf_config: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's sliding window (0: full attention), as transformers reads
-    the config: `layer_types` where the config lists them; else every layer
+    the config: by layer_types() where the config gives them; else every layer
     of a config with a `sliding_window` (Mistral, Phi-3), except in Qwen2/Qwen3
     configs, where `use_sliding_window` turns it on from `max_window_layers` up."""
     num_layers, window = hf_config["num_hidden_layers"], hf_config.get("sliding_window")
     if not isinstance(window, int) or window <= 0:
         return (0,) * num_layers
-    layer_types = hf_config.get("layer_types")
-    if layer_types:
-        return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    kinds = layer_types(hf_config)
+    if kinds:
+        return tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
     if "use_sliding_window" in hf_config:
         first = hf_config.get("max_window_layers", 0) if hf_config["use_sliding_window"] else num_layers
         return tuple(window if i >= first else 0 for i in range(num_layers))

@@ -14,7 +14,10 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF architecture name -> HF architecture name.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+GEMMA3_LOCAL_ROPE_BASE, GEMMA3_GLOBAL_EVERY = 10_000.0, 6
+"""What llama.cpp assumes of every Gemma 3 GGUF (its files do not say): the local layers' rope base, and
+one global layer in six."""
 
 
 def is_default_model(name: str) -> bool:
@@ -113,7 +116,7 @@ def _read_gguf_metadata(path: str) -> dict[str, Any]:
     num_heads = value(f"{arch}.attention.head_count")
     hidden_size = value(f"{arch}.embedding_length")
     vocab_size = value(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    return {
+    config = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden_size,
@@ -130,4 +133,20 @@ def _read_gguf_metadata(path: str) -> dict[str, Any]:
         "eos_token_id": value("tokenizer.ggml.eos_token_id"),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "torch_dtype": "bfloat16",  # what quantized weights are multiplied in
+    }
+    if arch == "gemma3":
+        config.update(_gemma3_gguf_facts(config, value(f"{arch}.attention.sliding_window")))
+    return config
+
+
+def _gemma3_gguf_facts(config: dict[str, Any], sliding_window: int | None) -> dict[str, Any]:
+    """Gemma 3's facts as llama.cpp reads a GGUF of it: its norms already hold 1 + w (the converter adds
+    the 1), queries are scaled by head_dim ** -0.5, local layers use base 10,000."""
+    return {
+        "model_type": "gemma3_text",
+        "sliding_window": sliding_window,
+        "sliding_window_pattern": GEMMA3_GLOBAL_EVERY,
+        "query_pre_attn_scalar": config["head_dim"],
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+        "norms_hold_one_plus_w": True,
     }

@@ -39,6 +39,15 @@ GGUF_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
     "attn_k_norm": "self_attn.k_norm",
 }
+GGUF_LAYER_NAMES_BY_TYPE = {
+    "gemma3_text": {  # four norms a layer: ffn_norm is the one before the MLP
+        **GGUF_LAYER_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+"""Where a model type's llama.cpp names differ from Llama's."""
 # Tensors with no HF counterpart: llama.cpp's precomputed llama3 rope factors
 # (we compute them from the config, as transformers does).
 GGUF_IGNORED = {"rope_freqs"}
@@ -123,14 +132,15 @@ def _safetensors_file_weights(file: str) -> Iterator[tuple[str, Any]]:
             yield name, checkpoint.get_slice(name)
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
+def gguf_to_hf_name(gguf_name: str, model_type: str = "llama") -> str | None:
     """HF name of a llama.cpp tensor name, or None when there is no mapping."""
     base, _, kind = gguf_name.rpartition(".")  # kind: weight or bias
     if base in GGUF_GLOBAL_NAMES:
         return f"{GGUF_GLOBAL_NAMES[base]}.{kind}"
+    layer_names = GGUF_LAYER_NAMES_BY_TYPE.get(model_type, GGUF_LAYER_NAMES)
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
     return None
 
 
@@ -142,7 +152,7 @@ def gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     num_heads = hf_config["num_attention_heads"]
     num_kv_heads = hf_config.get("num_key_value_heads") or num_heads
     for tensor in read_gguf_tensors(path):
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, hf_config["model_type"])
         if hf_name is None:
             if tensor.name.rpartition(".")[0] in GGUF_IGNORED:
                 continue

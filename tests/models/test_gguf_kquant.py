@@ -1,6 +1,6 @@
-"""Tiny Llama and Qwen3 GGUFs of K-quants, mixed as llama.cpp's Q4_K_M mixes
-them, loaded by fleet in float32 with their K-quant weights kept in their
-super-blocks, vs transformers loading the same file (dequantized by gguf-py)."""
+"""Tiny Llama, Qwen3 and Gemma 3 GGUFs of K-quants, mixed as llama.cpp's
+Q4_K_M mixes them, loaded by fleet in float32 with their K-quant weights kept
+in their super-blocks, vs transformers loading the same file (dequantized by gguf-py)."""
 from __future__ import annotations
 
 import os
@@ -48,9 +48,15 @@ def random_blocks(gguf_type: gguf.GGMLQuantizationType, rows: int, columns: int,
     return blocks.reshape(rows, -1)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+GEMMA3_WINDOW = 8
+"""Shorter than PROMPT: the Gemma 3 file's (local) layers attend over a sliding window."""
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
 def kquant_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The file of architecture `request.param`; Qwen3's has its per-head q/k norms too."""
+    """The file of architecture `request.param`; Qwen3's and Gemma 3's have per-head q/k norms too,
+    Gemma 3's four norms a layer (holding 1 + w, as llama.cpp's converter writes them), tied embeddings
+    and a sliding window."""
     arch = request.param
     path = os.fspath(tmp_path_factory.mktemp("kquant_gguf") / f"tiny-{arch}-q4_k_m.gguf")
     rng = np.random.default_rng(0)
@@ -68,6 +74,8 @@ def kquant_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(VOCAB)
+    if arch == "gemma3":
+        writer.add_sliding_window(GEMMA3_WINDOW)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_tensor("token_embd.weight", random_blocks(Q6_K, VOCAB, HIDDEN, rng), raw_dtype=Q6_K)
@@ -75,13 +83,15 @@ def kquant_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         for part, gguf_type in types.items():
             writer.add_tensor(f"blk.{layer}.{part}.weight", random_blocks(gguf_type, *SHAPES[part], rng),
                               raw_dtype=gguf_type)
-        for norm in ("attn_norm", "ffn_norm"):
+        norms = ("attn_norm", "ffn_norm") + (("post_attention_norm", "post_ffw_norm") if arch == "gemma3" else ())
+        for norm in norms:
             writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             for norm in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.uniform(0.5, 1.5, HIDDEN // HEADS).astype(np.float32))
     writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-    writer.add_tensor("output.weight", random_blocks(Q6_K, VOCAB, HIDDEN, rng), raw_dtype=Q6_K)
+    if arch != "gemma3":  # Gemma ties its output to the embeddings
+        writer.add_tensor("output.weight", random_blocks(Q6_K, VOCAB, HIDDEN, rng), raw_dtype=Q6_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -106,10 +116,11 @@ def test_kept_k_quants_match_transformers(kquant_gguf: str) -> None:
     if cpu_kernels() is None:
         pytest.skip("the CPU kernel extension cannot be built here")
     ours = kept_float32_model(kquant_gguf)
+    gemma = hf_config_from_gguf(kquant_gguf)["model_type"] == "gemma3_text"
     kept = {name: param.gguf_type for name, param in ours.named_parameters() if param.dtype == torch.uint8}
     # Layer 0's q/k/v mix Q4_K and Q6_K in one fused projection: dequantized.
     assert kept == {
-        "model.embed_tokens.weight": Q6_K, "lm_head.weight": Q6_K,
+        "model.embed_tokens.weight": Q6_K, **({} if gemma else {"lm_head.weight": Q6_K}),
         "model.layers.0.self_attn.o_proj.weight": Q4_K, "model.layers.0.mlp.gate_up_proj.weight": Q4_K,
         "model.layers.0.mlp.down_proj.weight": Q6_K,
         "model.layers.1.self_attn.qkv_proj.weight": Q4_K, "model.layers.1.self_attn.o_proj.weight": Q4_K,
@@ -120,10 +131,15 @@ def test_kept_k_quants_match_transformers(kquant_gguf: str) -> None:
     meta = AttentionMetadata.build([num_tokens], [num_tokens], [[2, 1]], block_size)
     logits = ours.compute_logits(ours(torch.tensor(PROMPT), torch.arange(num_tokens), kv_caches, meta))
 
-    hf = AutoModelForCausalLM.from_pretrained(  # transformers reads no head_dim from a qwen3 GGUF (fleet does)
+    # transformers reads no head_dim from a qwen3 GGUF, and scales Gemma 3's queries by its config's default
+    # (fleet, as llama.cpp, by head_dim)
+    gemma_scale = {"query_pre_attn_scalar": HIDDEN // HEADS} if gemma else {}
+    hf = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(kquant_gguf), gguf_file=os.path.basename(kquant_gguf), dtype=torch.float32,
-        head_dim=HIDDEN // HEADS,
+        head_dim=HIDDEN // HEADS, **gemma_scale,
     ).eval()
+    if gemma:
+        assert hf.config.sliding_window == GEMMA3_WINDOW < len(PROMPT)
     expected = hf(torch.tensor([PROMPT])).logits[0]
     assert expected.abs().max() > 0.5  # the comparison is not of near-zero logits
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleet.config.model import layer_types
 from fleet.kernels.attention import AttentionMetadata
 from fleet.kernels.rotary import RotaryEmbedding
 from fleet.parallel.comm import get_pp_group
@@ -30,12 +31,9 @@ from fleet.workers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaSp
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
 
-def layer_types(hf_config: dict[str, Any]) -> list[str]:
-    """Each layer's kind; configs without the list have a local:global pattern (5 local, then 1 global)."""
-    if hf_config.get("layer_types"):
-        return list(hf_config["layer_types"])
-    pattern = hf_config.get("sliding_window_pattern", 6)
-    return [GLOBAL if (i + 1) % pattern == 0 else LOCAL for i in range(hf_config["num_hidden_layers"])]
+def gemma_layer_types(hf_config: dict[str, Any]) -> list[str]:
+    """Each layer's kind; a config that says nothing has Gemma 3's pattern (5 local, then 1 global)."""
+    return layer_types({"sliding_window_pattern": 6, **hf_config}) or []
 
 
 def rope_configs(hf_config: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -100,7 +98,7 @@ class Gemma3Model(nn.Module):
                                      for i in self.layer_indices})
         if self.is_last_stage:
             self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        kinds = layer_types(spec.hf_config)
+        kinds = gemma_layer_types(spec.hf_config)
         self.layer_kinds = {i: kinds[i] for i in self.layer_indices}
         self.rotaries = nn.ModuleDict({
             kind: RotaryEmbedding(spec.head_dim, spec.max_positions, config, dtype, device)
@@ -134,7 +132,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def spec_from_config(cls, hf_config: dict[str, Any]) -> LlamaSpec:
         if hf_config.get("attn_logit_softcapping"):
             raise ValueError("Gemma with attn_logit_softcapping is not supported (Gemma 3 sets none)")
-        hf_config = {**hf_config, "layer_types": layer_types(hf_config)}
+        hf_config = {**hf_config, "layer_types": gemma_layer_types(hf_config)}
         spec = super().spec_from_config(hf_config)
         bias = bool(hf_config.get("attention_bias", False))
         return dataclasses.replace(spec, qkv_bias=bias, o_bias=bias, qk_norm=True,
@@ -147,7 +145,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return torch.tanh(logits / self.softcap) * self.softcap
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(_norms_plus_one(weights))
+        if self.spec.hf_config.get("norms_hold_one_plus_w"):  # a GGUF file: llama.cpp's converter added the 1
+            super().load_weights(weights)
+        else:
+            super().load_weights(_norms_plus_one(weights))
 
 
 def _norms_plus_one(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
