@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_swa_dir"])
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir"])
 def llm_and_model(request):
     model_dir = str(request.getfixturevalue(request.param))
     llm = fleet.LLM(

@@ -33,7 +33,7 @@ def word_prompts(count: int, seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("model_fixture,kv_bytes", [("tiny_qwen3_dir", "128K"), ("tiny_qwen3_moe_dir", "128K"),
                                                     ("tiny_phi3_dir", "64K"),  # head_dim 16, not 32
                                                     ("tiny_mistral_swa_dir", "32K"),  # prompts past its window
-                                                    ("tiny_gemma3_dir", "128K"), ("tiny_gemma3_multimodal_dir", "128K")])
+                                                    ("tiny_gemma3_multimodal_dir", "128K")])  # Gemma 3's text model
 def test_greedy_over_http_with_preemption_and_prefix_hits(request, model_fixture, kv_bytes):
     model_dir = str(request.getfixturevalue(model_fixture))
     server = Server(model_dir, "--tp", "2", "--dtype", "float32", "--device", "cpu",

@@ -32,8 +32,7 @@ LAYOUTS = [
     ("tiny_mixtral_dir", 1, 2, False),
     ("tiny_qwen2_moe_dir", 2, 1, False),
     ("tiny_qwen2_moe_dir", 2, 1, True),
-    ("tiny_qwen3_moe_dir", 2, 1, False),
-    ("tiny_qwen3_moe_dir", 1, 2, False),
+    ("tiny_qwen3_moe_dir", 1, 2, False),  # tp 2: over HTTP (test_architectures_over_http.py)
 ]
 
 
