@@ -23,10 +23,8 @@ from torch import nn
 from fleet.config.model import layer_types
 from fleet.kernels.attention import AttentionMetadata
 from fleet.kernels.rotary import RotaryEmbedding
-from fleet.parallel.comm import get_pp_group
-from fleet.parallel.groups import stage_layers
-from fleet.parallel.layers import MergedColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from fleet.workers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaSpec, RMSNorm
+from fleet.parallel.layers import MergedColumnParallelLinear, RowParallelLinear
+from fleet.workers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaSpec, RMSNorm, take_stage
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
@@ -86,13 +84,7 @@ class Gemma3Model(nn.Module):
 
     def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        stage = get_pp_group()
-        if stage.size > spec.num_layers:
-            raise ValueError(f"--pipeline-parallel-size {stage.size} exceeds the model's {spec.num_layers} layers")
-        self.is_first_stage, self.is_last_stage = stage.is_first, stage.is_last
-        self.layer_indices = stage_layers(spec.num_layers, stage.size, stage.rank)
-        if self.is_first_stage or (self.is_last_stage and spec.tie_word_embeddings):
-            self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        take_stage(self, spec, dtype, device)
         self.embed_scale = torch.tensor(spec.hidden_size**0.5, dtype=dtype).item()  # rounded as the weights are
         self.layers = nn.ModuleDict({str(i): Gemma3DecoderLayer(spec, dtype, device, spec.sliding_windows[i])
                                      for i in self.layer_indices})

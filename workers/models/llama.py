@@ -167,13 +167,7 @@ class LlamaModel(nn.Module):
     def __init__(self, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str,
                  make_mlp: MlpFactory | None = None) -> None:
         super().__init__()
-        stage = get_pp_group()
-        if stage.size > spec.num_layers:
-            raise ValueError(f"--pipeline-parallel-size {stage.size} exceeds the model's {spec.num_layers} layers")
-        self.is_first_stage, self.is_last_stage = stage.is_first, stage.is_last
-        self.layer_indices = stage_layers(spec.num_layers, stage.size, stage.rank)
-        if self.is_first_stage or (self.is_last_stage and spec.tie_word_embeddings):
-            self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        take_stage(self, spec, dtype, device)
         self.layers = nn.ModuleDict({
             str(i): LlamaDecoderLayer(spec, dtype, device, make_mlp(i) if make_mlp else None, spec.sliding_windows[i])
             for i in self.layer_indices
@@ -198,6 +192,18 @@ class LlamaModel(nn.Module):
             return torch.stack((hidden, residual))
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
+
+
+def take_stage(model: nn.Module, spec: LlamaSpec, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Set `model`'s pipeline stage facts (is_first_stage, is_last_stage, the
+    global layer_indices it runs) and its embeddings where the stage needs them."""
+    stage = get_pp_group()
+    if stage.size > spec.num_layers:
+        raise ValueError(f"--pipeline-parallel-size {stage.size} exceeds the model's {spec.num_layers} layers")
+    model.is_first_stage, model.is_last_stage = stage.is_first, stage.is_last
+    model.layer_indices = stage_layers(spec.num_layers, stage.size, stage.rank)
+    if model.is_first_stage or (model.is_last_stage and spec.tie_word_embeddings):
+        model.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
 
 
 class LlamaForCausalLM(nn.Module):
