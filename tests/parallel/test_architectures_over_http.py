@@ -28,12 +28,23 @@ def word_prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(FIRST_MERGED_TOKEN, 512) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
 
 
-# A KV cache of about 128 tokens per worker: two or three of the 8 concurrent requests fit, so running
-# ones are preempted; not the Mistral's, whose running requests hold at most its window (blocks slide out).
-@pytest.mark.parametrize("model_fixture,kv_bytes", [("tiny_qwen3_dir", "128K"), ("tiny_qwen3_moe_dir", "128K"),
-                                                    ("tiny_phi3_dir", "64K"),  # head_dim 16, not 32
-                                                    ("tiny_mistral_swa_dir", "32K"),  # prompts past its window
-                                                    ("tiny_gemma3_multimodal_dir", "128K")])  # Gemma 3's text model
+LONG = 50
+"""Output tokens of each of two sequences that cannot both fit: 10 + 50 tokens each in a cache of 64 tokens."""
+
+
+def complete_twice(server: Server, prompt: list[int]) -> list[str]:
+    """One request for two greedy sequences of exactly LONG tokens (they run together): both texts."""
+    body = {"prompt": prompt, "n": 2, "max_tokens": LONG, "min_tokens": LONG, "temperature": 0,
+            "skip_special_tokens": False}
+    reply = server.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    return [choice["text"] for choice in sorted(reply.json()["choices"], key=lambda choice: choice["index"])]
+
+
+# KV caches of 64 tokens per worker (head_dim 32: 64K; head_dim 16: 32K), one sequence of --max-model-len 64.
+@pytest.mark.parametrize("model_fixture,kv_bytes", [("tiny_qwen3_dir", "64K"), ("tiny_qwen3_moe_dir", "64K"),
+                                                    ("tiny_phi3_dir", "32K"), ("tiny_mistral_swa_dir", "32K"),
+                                                    ("tiny_gemma3_multimodal_dir", "64K")])  # Gemma 3 as 4B+ ship it
 def test_greedy_over_http_with_preemption_and_prefix_hits(request, model_fixture, kv_bytes):
     model_dir = str(request.getfixturevalue(model_fixture))
     server = Server(model_dir, "--tp", "2", "--dtype", "float32", "--device", "cpu",
@@ -42,7 +53,12 @@ def test_greedy_over_http_with_preemption_and_prefix_hits(request, model_fixture
         prompts = word_prompts(8, seed=30)
         expected = expected_texts(server, model_dir, prompts)
         assert [body["choices"][0]["text"] for body in complete_concurrently(server, prompts)] == expected
-        assert server.metric("fleet:num_preemptions_total") > 0 or model_fixture == "tiny_mistral_swa_dir"
+        # Two sequences that outgrow the cache together: one is preempted and recomputed. Not the Mistral's:
+        # its sequences hold only their window (blocks slide out), and both fit.
+        prompt = word_prompts(1, seed=31)[0][:10]
+        assert complete_twice(server, prompt) == expected_texts(server, model_dir, [prompt], max_tokens=LONG) * 2
+        if model_fixture != "tiny_mistral_swa_dir":
+            assert server.metric("fleet:num_preemptions_total") > 0
         longest = max(range(len(prompts)), key=lambda index: len(prompts[index]))  # a full block or two
         for _ in range(2):  # the second time from the prefix cache
             (body,) = complete_concurrently(server, [prompts[longest]])
