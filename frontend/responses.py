@@ -117,7 +117,7 @@ class ResponsesServing:
         text = ToolCallStream(turn.tools)
         outputs: list[RequestOutput] = []
         try:
-            async for sequence, _new, _first, _end, _output in self.serving._sequence_updates(
+            async for sequence, _new, _first, _end, _output in self.serving.sequence_updates(
                     turn.prepared, turn.request.priority, outputs):
                 deltas, calls = text.advance(sequence)
                 for delta in deltas:

@@ -212,7 +212,7 @@ class Serving:
                 "model": self.answered_name(request)}
         outputs: list[RequestOutput] = []
         for prompt_index, p in enumerate(prepared):
-            async for sequence, text, first, end, output in self._sequence_updates(p, request.priority, outputs):
+            async for sequence, text, first, end, output in self.sequence_updates(p, request.priority, outputs):
                 echo_now = request.echo and first == 0
                 if echo_now:
                     text = self._prompt_text(output) + text
@@ -287,7 +287,7 @@ class Serving:
             yield _event({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         outputs: list[RequestOutput] = []
         streams = [ToolCallStream(tools) for _ in range(n)]
-        async for sequence, _text, first, end, output in self._sequence_updates(prepared, request.priority, outputs):
+        async for sequence, _text, first, end, output in self.sequence_updates(prepared, request.priority, outputs):
             logprobs = None
             if request.logprobs:
                 logprobs = {"content": self._chat_logprobs(sequence, request.top_logprobs or 0, first, end)}
@@ -311,7 +311,7 @@ class Serving:
 
     # ---- pieces -------------------------------------------------------------------------------
 
-    async def _sequence_updates(
+    async def sequence_updates(
         self, prepared: Prepared, priority: int, finished: list[RequestOutput]
     ) -> AsyncIterator[tuple[CompletionOutput, str, int, int, RequestOutput]]:
         """The streaming loop of every endpoint: (sequence, new text, first
