@@ -55,7 +55,8 @@ def oracle(model_dir: str, messages: list[dict], max_tokens: int) -> tuple[str, 
         out = hf_model(model_dir).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
                                            max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     reply = out[0, len(prompt):].tolist()
-    return tokenizer.decode(reply, skip_special_tokens=True), len(prompt), len(reply)
+    # A reply cut inside a UTF-8 character: its text holds back the incomplete end (/detokenize shows U+FFFD).
+    return tokenizer.decode(reply, skip_special_tokens=True).rstrip("\ufffd"), len(prompt), len(reply)
 
 
 def assert_matches_oracle(response, model_dir: str, messages: list[dict], max_tokens: int) -> None:
