@@ -68,9 +68,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             *ALIASES.get(name, []),
             dest=name,
             type=dataclass_parser(cls),
-            default=cls(),
+            default=_engine_args_default(name),
             help=f"A JSON object, or one key at a time as {flag_name(name)}.KEY VALUE. Keys: {fields_help}".replace("%", "%%"),
         )
+
+
+def _engine_args_default(name: str) -> Any:
+    """EngineArgs' default for a nested group: a config, or None where the group is off unless given."""
+    (field,) = [f for f in dataclasses.fields(EngineArgs) if f.name == name]
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
 def argparse_kwargs(hint: Any) -> dict[str, Any]:
@@ -258,7 +264,7 @@ def engine_args_from_namespace(namespace: argparse.Namespace, dotted: dict[str, 
     values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(namespace, f.name)}
     for name, overrides in dotted.items():
         cls = NESTED_GROUPS[name]
-        merged = msgspec.to_builtins(values[name]) | overrides
+        merged = msgspec.to_builtins(values[name] or {}) | overrides
         try:
             values[name] = convert_to_dataclass(merged, cls)
         except (ValueError, msgspec.ValidationError) as error:

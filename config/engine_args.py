@@ -10,6 +10,7 @@ from typing import Any, Literal
 from fleet.config import env
 from fleet.config.cache import CacheConfig
 from fleet.config.compilation import CompilationConfig
+from fleet.config.kv_transfer import KVTransferConfig
 from fleet.config.cpu_class import cpu_class, cpu_computes_bfloat16
 from fleet.config.device import DeviceConfig
 from fleet.config.fields import HumanInt, HumanReadable, parse_human_int
@@ -39,7 +40,7 @@ FLAT_GROUPS: dict[str, type] = {
     "frontend": FrontendConfig,
 }
 # Config classes that EngineArgs holds whole, as one JSON-valued flag each.
-NESTED_GROUPS: dict[str, type] = {"compilation_config": CompilationConfig}
+NESTED_GROUPS: dict[str, type] = {"compilation_config": CompilationConfig, "kv_transfer_config": KVTransferConfig}
 
 # Limits by device when the user sets none: CPU steps are slow, so smaller steps keep latency down.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
@@ -100,6 +101,7 @@ class EngineArgs:
     data_parallel_rpc_port: int = 29550
     data_parallel_hybrid_lb: bool = False
     data_parallel_external_lb: bool = False
+    data_parallel_routing: Literal["least-loaded", "cache-aware", "round-robin"] = "cache-aware"
     data_parallel_backend: Literal["mp", "ray"] = "mp"
     distributed_executor_backend: Literal["uni", "mp", "ray"] = "mp"
     ray_address: str | None = None
@@ -113,6 +115,7 @@ class EngineArgs:
     replica_restart_policy: Literal["never", "always", "on-failure"] = "on-failure"
     max_replica_restarts: int = 5
     engine_step_timeout: float = 300.0
+    disaggregate: str | None = None
     # cache: CacheConfig
     block_size: int = 16
     kv_cache_memory_bytes: HumanInt | None = None
@@ -154,6 +157,7 @@ class EngineArgs:
     max_stored_response_bytes: HumanInt = 64 * 2**20
     # compilation_config: one JSON-valued flag
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         # Python callers may write numbers as on the CLI: LLM(kv_cache_memory_bytes="2G").
@@ -188,6 +192,7 @@ class EngineArgs:
             raise ValueError(f"--block-size must be at least 1, got {cache.block_size}")
         frontend = _resolve_frontend(FrontendConfig(**self._group("frontend")), model)
         self.compilation_config.check_built(device.device, model.is_moe)
+        kv_transfer = _resolve_kv_transfer(self.kv_transfer_config, parallel)
         return FleetConfig(
             model=model,
             cache=cache,
@@ -197,6 +202,7 @@ class EngineArgs:
             device=device,
             frontend=frontend,
             compilation=self.compilation_config,
+            kv_transfer=kv_transfer,
         )
 
     def _group(self, name: str) -> dict[str, Any]:
@@ -225,6 +231,18 @@ def _resolve_model(model: ModelConfig, load: LoadConfig, device: DeviceConfig) -
         eos_token_ids=_eos_token_ids(hf_config, read_generation_config(path)),
         sampling_defaults=_sampling_defaults(model.generation_config, path),
     )
+
+
+def _resolve_kv_transfer(kv_transfer: KVTransferConfig | None, parallel: ParallelConfig) -> KVTransferConfig | None:
+    """--kv-transfer-config, checked; with --disaggregate every replica both prefills and decodes (kv_both)."""
+    if parallel.disaggregation is not None:
+        if kv_transfer is not None and kv_transfer.kv_role != "kv_both":
+            raise ValueError(f"--disaggregate needs --kv-transfer-config kv_role kv_both (or none), "
+                             f"got {kv_transfer.kv_role}")
+        kv_transfer = kv_transfer or KVTransferConfig(kv_role="kv_both")
+    if kv_transfer is not None:
+        kv_transfer.check(parallel.pipeline_parallel_size, parallel.distributed_executor_backend)
+    return kv_transfer
 
 
 def _resolve_frontend(frontend: FrontendConfig, model: ModelConfig) -> FrontendConfig:

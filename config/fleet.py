@@ -9,6 +9,7 @@ from fleet.config.cache import CacheConfig
 from fleet.config.compilation import CompilationConfig
 from fleet.config.device import DeviceConfig
 from fleet.config.frontend import FrontendConfig
+from fleet.config.kv_transfer import KVTransferConfig
 from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
 from fleet.config.parallel import ParallelConfig
@@ -25,6 +26,8 @@ class FleetConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    kv_transfer: KVTransferConfig | None = None
+    """Prefill/decode disaggregation (--kv-transfer-config); None: no KV transfer."""
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

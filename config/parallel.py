@@ -41,6 +41,10 @@ class ParallelConfig:
     """Hybrid load balancing: every node runs its own API servers, which balance only over that node's replicas."""
     data_parallel_external_lb: bool = False
     """External load balancing: every launch runs one replica and its API server; a balancer outside fleet spreads the requests."""
+    data_parallel_routing: Literal["least-loaded", "cache-aware", "round-robin"] = "cache-aware"
+    """How API servers pick the replica of each request: cache-aware (the one believed to hold the longest prefix of
+    its prompt in its prefix cache, unless it is much busier than the least loaded), least-loaded (the fewest
+    unfinished requests) or round-robin (in turn)."""
     data_parallel_backend: Literal["mp", "ray"] = "mp"
     """How engine cores are started: local processes (mp) or Ray actors (ray)."""
     distributed_executor_backend: Literal["uni", "mp", "ray"] = "mp"
@@ -69,6 +73,8 @@ class ParallelConfig:
     """Replica restarts allowed in any 10 minutes; the death past them ends the job."""
     engine_step_timeout: float = 300.0
     """Seconds a replica's step may take before its workers count as hung and the replica as dead."""
+    disaggregate: str | None = None
+    """prefill=N,decode=M: N + M data-parallel replicas behind one front end, which sends each request's prompt to a prefill replica and its decoding, with the prompt's KV, to a decode replica (prefill/decode disaggregation; implies --kv-transfer-config kv_role kv_both)."""
     is_moe: bool = field(default=False, metadata=RESOLVED)
     """Resolved from the model: whether it has mixture-of-experts layers."""
 
@@ -93,6 +99,15 @@ class ParallelConfig:
         if not self.enable_expert_parallel:
             return 1
         return self.data_parallel_size * self.tensor_parallel_size
+
+    @property
+    def disaggregation(self) -> tuple[int, int] | None:
+        """(prefill replicas, decode replicas) with --disaggregate; None without."""
+        return None if self.disaggregate is None else _disaggregation_sizes(self.disaggregate)
+
+    def prefill_ranks(self) -> list[int]:
+        """The data-parallel ranks that compute prompts (--disaggregate); [] without."""
+        return list(range(self.disaggregation[0])) if self.disaggregation else []
 
     @property
     def internal_lb(self) -> bool:
@@ -132,6 +147,8 @@ class ParallelConfig:
         their multi-node command lines between the two. Raises ValueError
         naming the flags of any inconsistency.
         """
+        if self.disaggregate is not None:
+            self = _with_disaggregation(self)
         _check_sizes(self)
         if self.data_parallel_hybrid_lb and self.data_parallel_external_lb:
             raise ValueError("--data-parallel-hybrid-lb and --data-parallel-external-lb cannot both be set")
@@ -205,6 +222,37 @@ class ParallelConfig:
         )
         _check_ranks(resolved)
         return resolved
+
+
+def _disaggregation_sizes(text: str) -> tuple[int, int]:
+    """"prefill=N,decode=M" -> (N, M); ValueError naming the flag."""
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() in ("prefill", "decode") and value.strip().isdigit():
+            sizes[name.strip()] = int(value)
+    if sorted(sizes) != ["decode", "prefill"] or len(text.split(",")) != 2 or min(sizes.values()) < 1:
+        raise ValueError(f"--disaggregate takes prefill=N,decode=M with N, M >= 1, got {text!r}")
+    return sizes["prefill"], sizes["decode"]
+
+
+def _with_disaggregation(config: ParallelConfig) -> ParallelConfig:
+    """The replicas --disaggregate asks for, on one node behind one front end."""
+    prefill, decode = _disaggregation_sizes(config.disaggregate)
+    if config.data_parallel_size not in (1, prefill + decode):
+        raise ValueError(f"--disaggregate {config.disaggregate} makes {prefill + decode} replicas: "
+                         f"leave out --data-parallel-size {config.data_parallel_size}")
+    conflicts = [flag for flag, value in (
+        ("--nnodes", config.nnodes > 1), ("--data-parallel-hybrid-lb", config.data_parallel_hybrid_lb),
+        ("--data-parallel-external-lb", config.data_parallel_external_lb),
+        ("--data-parallel-rank", config.data_parallel_rank is not None),
+        ("--data-parallel-size-local", config.data_parallel_size_local is not None),
+        ("--enable-expert-parallel", config.enable_expert_parallel),
+        ("--data-parallel-backend ray", config.data_parallel_backend == "ray")) if value]
+    if conflicts:
+        raise ValueError(f"--disaggregate runs its replicas on one node behind one front end: "
+                         f"it does not combine with {', '.join(conflicts)} (use fleet proxy across launches)")
+    return dataclasses.replace(config, data_parallel_size=prefill + decode)
 
 
 def _check_sizes(config: ParallelConfig) -> None:

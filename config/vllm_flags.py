@@ -67,7 +67,7 @@ CORS = "fleet sends no CORS headers: browsers may not call it from another origi
 CORS_DETAIL = "it only matters with --allowed-origins, and fleet sends no CORS headers"
 SPECULATIVE = "fleet has no speculative decoding"
 REASONING = "fleet has no reasoning parser: a model's reasoning stays in the message content"
-DISAGGREGATION = "fleet has no KV or encoder cache transfer between instances (no disaggregated prefill)"
+DISAGGREGATION = "fleet transfers KV (--kv-transfer-config), not encoder caches"
 SLEEP = "fleet has no sleep mode (/sleep, /wake_up)"
 WEIGHT_OFFLOAD = "fleet keeps all weights on the device, and refuses a launch whose weights do not fit"
 KV_OFFLOAD = "fleet keeps the KV cache on the device"
@@ -225,7 +225,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--kv-offloading-backend": ignore("value", KV_OFFLOAD),
     "--kv-offloading-size": ignore("value", KV_OFFLOAD),
     "--kv-sharing-fast-prefill": ignore("switch", "fleet's models share no KV cache between layers"),
-    "--kv-transfer-config": refuse("value", DISAGGREGATION),
     "--language-model-only": ignore("switch", TEXT_ONLY),
     "--limit-mm-per-prompt": refuse("value", MULTIMODAL),
     "--linear-backend": ignore("value", OWN_KERNELS),

@@ -4,7 +4,11 @@ rank 0, when the job has several replicas.
 - Load: engines send EngineLoad whenever their queues change; the
   coordinator publishes the table to the API servers of its node (at most
   every LOAD_PUBLISH_INTERVAL_S), so that each API server can correct its
-  own in-flight counts with the requests the others sent.
+  own in-flight counts with the requests the others sent. With cache-aware
+  routing by several API servers the engines add the block hashes of the
+  prompts they took, which the coordinator passes on the same way, so that
+  each API server knows where the others sent which prefix
+  (frontend/load_balancer.py; `relays_prompt_blocks`).
 - Waves, for replicas that step together (MoE with expert parallel across
   replicas, whose collectives need every replica in every step): before
   each step every engine votes (StepVote: has it work?); once all voted the
@@ -36,12 +40,20 @@ from fleet.core.messages import (
     StepVote,
     WaveWakeUp,
 )
-from fleet.core.node_plan import CoordinatorPlan, StoreLocation
+from fleet.core.node_plan import CoordinatorPlan, EngineCorePlan, StoreLocation
 
 logger = logging.getLogger(__name__)
 
 LOAD_PUBLISH_INTERVAL_S = 0.02
 """Load changes reach the API servers within this (batched, not one message per change)."""
+
+
+def relays_prompt_blocks(config: FleetConfig, plan: EngineCorePlan) -> bool:
+    """Whether the engine of `plan` reports the blocks of the prompts it takes to the coordinator
+    (EngineLoad.new_prompt_blocks): its API servers route by prefix, and each sees only its own requests."""
+    parallel = config.parallel
+    return (parallel.data_parallel_routing == "cache-aware" and bool(config.cache.enable_prefix_caching)
+            and not parallel.data_parallel_external_lb and plan.coordinator is not None and len(plan.clients) > 1)
 
 
 class CoordinatorStartupInfo(msgspec.Struct):
@@ -74,6 +86,27 @@ class WaveState:
         return broadcasts
 
 
+class LoadTable:
+    """Each engine's queue, and the prompt blocks it took since the last
+    publication (relays_prompt_blocks), as pure logic: loads in, tables out."""
+
+    def __init__(self, num_engines: int):
+        self.num_waiting = [0] * num_engines
+        self.num_running = [0] * num_engines
+        self.new_prompt_blocks: list[list[bytes]] = [[] for _ in range(num_engines)]
+
+    def update(self, load: EngineLoad) -> None:
+        self.num_waiting[load.dp_rank], self.num_running[load.dp_rank] = load.num_waiting, load.num_running
+        self.new_prompt_blocks[load.dp_rank] += load.new_prompt_blocks
+
+    def publication(self) -> EngineLoads:
+        """The table to publish now; prompt blocks go out once."""
+        if not any(self.new_prompt_blocks):
+            return EngineLoads(list(self.num_waiting), list(self.num_running))
+        blocks, self.new_prompt_blocks = self.new_prompt_blocks, [[] for _ in self.new_prompt_blocks]
+        return EngineLoads(list(self.num_waiting), list(self.num_running), blocks)
+
+
 class Coordinator:
     def __init__(self, config: FleetConfig, plan: CoordinatorPlan):
         self.config = config
@@ -85,8 +118,7 @@ class Coordinator:
         self.broadcast.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.loads = ipc.make_socket(self.ctx, zmq.PUB, bind=addresses.loads)
         self.waves = WaveState(self.num_engines)
-        self.num_waiting = [0] * self.num_engines
-        self.num_running = [0] * self.num_engines
+        self.load_table = LoadTable(self.num_engines)
         self.store = self._host_store(plan.store) if plan.store is not None else None
 
     def _host_store(self, store: StoreLocation):
@@ -117,11 +149,11 @@ class Coordinator:
                     case StepVote():
                         for broadcast in self.waves.vote(message):
                             self.broadcast.send(serial.encode(broadcast))
-                    case EngineLoad(dp_rank=rank, num_waiting=waiting, num_running=running):
-                        self.num_waiting[rank], self.num_running[rank] = waiting, running
+                    case EngineLoad():
+                        self.load_table.update(message)
                         dirty_since = dirty_since or time.monotonic()
             if dirty_since is not None and time.monotonic() - dirty_since >= LOAD_PUBLISH_INTERVAL_S:
-                self.loads.send(serial.encode(EngineLoads(self.num_waiting, self.num_running)))
+                self.loads.send(serial.encode(self.load_table.publication()))
                 dirty_since = None
 
     def _await_engine_subscriptions(self) -> None:

@@ -30,6 +30,7 @@ from fleet.core.messages import (
     EngineInput,
     EngineLoad,
     KVCapacity,
+    KVRelease,
     ModelRunnerOutput,
     Ready,
     Shutdown,
@@ -39,7 +40,9 @@ from fleet.core.messages import (
     UtilityResult,
     WaveWakeUp,
 )
+from fleet.core.dp_coordinator import relays_prompt_blocks
 from fleet.core.node_plan import EngineCorePlan, StartupFacts
+from fleet.core.kv_transfer import usable
 from fleet.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -69,9 +72,16 @@ class EngineCore:
             num_blocks=self.kv_capacity.num_blocks,
             eos_token_ids=config.model.eos_token_ids,
             sliding_window=config.model.sliding_window,
+            kv_hold_timeout_s=config.kv_transfer.hold_timeout_s if config.kv_transfer else 120.0,
         )
+        self.kv_release_address: str | None = None
+        """Producer: where decode instances say they took a request's KV (bound by the process)."""
+        self._kv_release_pushes: dict[str, zmq.Socket] = {}
         self.client_of_request: dict[str, int] = {}
+        self._release_ctx = zmq.Context.instance()
         self.rejected: list[tuple[int, EngineCoreOutput]] = []
+        self.new_prompt_blocks: list[bytes] | None = [] if relays_prompt_blocks(config, plan) else None
+        """Prompt blocks taken since the last load() (EngineLoad.new_prompt_blocks); None: not reported."""
         self._log_capacity()
 
     def _log_capacity(self) -> None:
@@ -86,13 +96,38 @@ class EngineCore:
         """Queue a request; one the scheduler refuses is answered with an error
         output instead (front ends validate first, so this is a last guard)."""
         try:
-            self.scheduler.add_request(request)
+            added = self.scheduler.add_request(self._checked_kv_transfer(request))
         except ValueError as error:
             logger.warning("rejected request %s: %s", request.request_id, error)
             rejection = EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=str(error))
             self.rejected.append((request.client_index, rejection))
             return
         self.client_of_request[request.request_id] = request.client_index
+        if self.new_prompt_blocks is not None:
+            self.new_prompt_blocks += added.block_hashes
+
+    def _checked_kv_transfer(self, request: EngineCoreRequest) -> EngineCoreRequest:
+        """Drop KV-transfer params this engine cannot follow (the front end refuses what a client may
+        not ask); a remote prefill it cannot load is computed here, and its prefill instance told."""
+        params = request.kv_transfer
+        if params is None:
+            return request
+        role = self.config.kv_transfer
+        params = msgspec.structs.replace(params, do_remote_decode=params.do_remote_decode and bool(role and role.is_producer))
+        if params.do_remote_prefill:
+            replica_size = self.config.parallel.tensor_parallel_size * self.config.parallel.pipeline_parallel_size
+            why = usable(params, len(request.prompt_token_ids), self.config.cache.block_size, replica_size)
+            if why is None and not (role and role.is_consumer):
+                why = "this instance is no KV consumer (--kv-transfer-config kv_role)"
+            if why is None and (request.sampling_params.prompt_logprobs is not None or request.pooling is not None):
+                why = "prompt logprobs and embeddings need every prompt position computed here"
+            if why is not None:
+                logger.warning("request %s computes its prompt here: %s", request.request_id, why)
+                if params.remote_release_address and params.remote_request_id:
+                    self.scheduler.kv_releases.append((params.remote_release_address, params.remote_request_id))
+                params = msgspec.structs.replace(params, do_remote_prefill=False)
+        keep = params.do_remote_decode or params.do_remote_prefill
+        return msgspec.structs.replace(request, kv_transfer=params if keep else None)
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests([r for r in request_ids if r in self.client_of_request])
@@ -112,7 +147,30 @@ class EngineCore:
         else:
             result = ModelRunnerOutput(step_id=scheduler_output.step_id, request_ids=[], sampled_token_ids=[])
         outputs = self.scheduler.update_from_output(scheduler_output, result)
+        self._send_kv_releases()
+        for output in outputs:
+            if output.kv_transfer is not None:
+                output.kv_transfer.remote_kv_addresses = self.executor.kv_export_addresses
+                output.kv_transfer.remote_release_address = self.kv_release_address
         return self._group_by_client(outputs)
+
+    def _send_kv_releases(self) -> None:
+        """Tell prefill instances that their KV was taken (never blocking: a dead one is not waited for)."""
+        releases, self.scheduler.kv_releases = self.scheduler.kv_releases, []
+        for address, request_id in releases:
+            push = self._kv_release_pushes.get(address)
+            if push is None:
+                push = ipc.make_socket(self._release_ctx, zmq.PUSH, connect=address)
+                push.setsockopt(zmq.LINGER, 0)
+                push.setsockopt(zmq.SNDHWM, 10_000)
+                self._kv_release_pushes[address] = push
+            try:
+                push.send(serial.encode(KVRelease(request_id)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                logger.warning("could not tell %s that the KV of %s was taken", address, request_id)
+
+    def release_kv(self, request_id: str) -> None:
+        self.scheduler.kv_exports.release(request_id)
 
     def _group_by_client(self, outputs: list[EngineCoreOutput]) -> dict[int, EngineCoreOutputs]:
         now = time.time()
@@ -144,13 +202,17 @@ class EngineCore:
         stats = self.scheduler.make_stats()
         first, *others = sorted(grouped)
         grouped[first].scheduler_stats = stats
-        occupancy = msgspec.structs.replace(stats, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+        occupancy = msgspec.structs.replace(stats, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                                              kv_transfer_tokens=0, kv_transfer_failures=0)
         for client in others:
             grouped[client].scheduler_stats = occupancy
 
     def load(self) -> EngineLoad:
         scheduler = self.scheduler
-        return EngineLoad(self.dp_rank, len(scheduler.waiting), len(scheduler.running))
+        blocks = self.new_prompt_blocks or []
+        if blocks:
+            self.new_prompt_blocks = []
+        return EngineLoad(self.dp_rank, len(scheduler.waiting), len(scheduler.running), blocks)
 
     def utility(self, method: str, args: list[Any]) -> Any:
         if method == "health":
@@ -247,7 +309,7 @@ class EngineCoreProcess:
             self.outputs.put((client, outputs))
         if self.info.plan.coordinator is not None:
             load = self.engine.load()
-            if load != self.last_load:
+            if load != self.last_load or load.new_prompt_blocks:
                 self._send_to_coordinator(load)
                 self.last_load = load
 
@@ -286,6 +348,8 @@ class EngineCoreProcess:
                 self.engine.abort(ids)
             case UtilityCall(call_id=call_id, method=method, args=args, client_index=client):
                 self.outputs.put((client, self._utility(call_id, method, args)))
+            case KVRelease(request_id=request_id):
+                self.engine.release_kv(request_id)
             case WaveWakeUp(step=step):
                 self.woken = self.woken or step == self.next_step  # else stale: we voted already
             case Shutdown():
@@ -303,10 +367,15 @@ class EngineCoreProcess:
         dealers = [ipc.make_socket(self.ctx, zmq.DEALER, connect=c.requests, identity=identity)
                    for c in self.info.plan.clients]
         pushes = [ipc.make_socket(self.ctx, zmq.PUSH, connect=c.outputs) for c in self.info.plan.clients]
+        subscribers = []
+        if self.info.config.kv_transfer is not None and self.info.config.kv_transfer.is_producer:
+            releases = ipc.make_socket(self.ctx, zmq.PULL)
+            ipc.bind_tcp(releases, self.info.config.kv_transfer.kv_ip)
+            self.engine.kv_release_address = releases.getsockopt_string(zmq.LAST_ENDPOINT)
+            subscribers.append(releases)
         for dealer in dealers:
             # Hello, with our pid so that clients can watch us: a ROUTER routes only to peers it has heard from.
             dealer.send(str(self._pid_for_clients()).encode())
-        subscribers = []
         if self.info.plan.coordinator is not None:
             # The main thread owns the PUSH; the input thread the SUB (a zmq socket is single-threaded).
             self.coordinator = ipc.make_socket(self.ctx, zmq.PUSH, connect=self.info.plan.coordinator.engine_inputs)
@@ -332,7 +401,7 @@ class EngineCoreProcess:
 
     def _input_thread(self, dealers: list[zmq.Socket], subscribers: list[zmq.Socket]) -> None:
         client_decoder = serial.Decoder(EngineInput, f"{self.name} input")
-        coordinator_decoder = serial.Decoder(CoordinatorBroadcast, f"{self.name} coordinator")
+        coordinator_decoder = serial.Decoder(CoordinatorBroadcast | KVRelease, f"{self.name} coordinator")
         poller = zmq.Poller()
         for sock in [*dealers, *subscribers]:
             poller.register(sock, zmq.POLLIN)

@@ -7,6 +7,7 @@ Sockets and what travels on them:
   engine core -> workers      WorkerInput   = SchedulerOutput | WorkerUtilityCall | Shutdown
   driver worker -> engine     WorkerOutput  = ModelRunnerOutput | WorkerUtilityResult | WorkerDead
   child -> parent at start-up Handshake     = Ready | StartupFailed
+  decode engine -> prefill engine  KVRelease;  decode worker <-> prefill worker  KVPull, KVPullReply + frames
 """
 from __future__ import annotations
 
@@ -24,6 +25,27 @@ class Struct(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
 # ---- API server -> engine core ------------------------------------------------
 
 
+class KVTransferParams(msgspec.Struct, omit_defaults=True):
+    """A request's part in prefill/decode disaggregation, as its HTTP body's
+    `kv_transfer_params` says it (a JSON object, so not array-like).
+
+    To a prefill instance: do_remote_decode (compute the prompt, keep its KV
+    for a decode instance). Back from it, on the finished request, and then to
+    a decode instance: do_remote_prefill with where that KV is."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_request_id: str | None = None
+    """The prefill instance's engine request that holds the KV."""
+    remote_block_ids: list[int] = []
+    """Its blocks, in order: they hold the KV of remote_num_tokens tokens."""
+    remote_num_tokens: int = 0
+    remote_kv_addresses: list[str] = []
+    """Where each of its workers serves its share of the KV, by rank in the replica."""
+    remote_release_address: str | None = None
+    """Where its engine core hears that the KV was taken (KVRelease)."""
+
+
 class EngineCoreRequest(Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -39,6 +61,8 @@ class EngineCoreRequest(Struct, tag=True):
     parent_request_id: str | None = None
     """The user request this is one of the n sequences of (n > 1); None: the request is its own.
     The scheduler shares the batch fairly between such groups (core/scheduler.py)."""
+    kv_transfer: KVTransferParams | None = None
+    """Prefill/decode disaggregation (core/kv_transfer.py); None: an ordinary request."""
 
 
 class Abort(Struct, tag=True):
@@ -90,6 +114,8 @@ class EngineCoreOutput(Struct):
     """Seconds from the first scheduling to the first token; on the output with its first token."""
     embedding: list[float] | None = None
     """An embedding request's result (it finishes with it)."""
+    kv_transfer: KVTransferParams | None = None
+    """On the last output of a do_remote_decode request: where a decode instance takes its prompt's KV."""
 
 
 class SchedulerStats(Struct):
@@ -103,6 +129,10 @@ class SchedulerStats(Struct):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     step_counter: int = 0
+    kv_transfer_tokens: int = 0
+    """Prompt tokens whose KV came from a prefill instance since the last stats."""
+    kv_transfer_failures: int = 0
+    """Transfers since the last stats that failed, so that the prompt was computed here."""
 
 
 class EngineCoreOutputs(Struct, tag=True):
@@ -160,6 +190,19 @@ class CachedRequestData(Struct):
     num_computed_tokens: int
 
 
+class KVLoad(Struct):
+    """Pull a prompt's KV from a prefill instance's workers into local blocks."""
+
+    request_id: str
+    block_ids: list[int]
+    """Local blocks to fill, in order."""
+    remote_request_id: str
+    remote_first_block: int
+    """Index in the remote request's blocks of the one that fills block_ids[0]
+    (the blocks before it were found in the local prefix cache)."""
+    remote_kv_addresses: list[str]
+
+
 class SchedulerOutput(Struct, tag=True):
     step_id: int
     new_requests: list[NewRequestData]
@@ -168,6 +211,12 @@ class SchedulerOutput(Struct, tag=True):
     """Tokens each request computes this step; its order is the batch order."""
     finished_request_ids: list[str]
     """Requests finished or preempted since the last SchedulerOutput: workers drop their state."""
+    kv_exports: dict[str, list[int]] = {}
+    """Prefill side: finished requests whose blocks now wait for a decode instance to pull them."""
+    kv_export_releases: list[str] = []
+    """Prefill side: exports that end (pulled, or held too long): their blocks may be reused from this step on."""
+    kv_loads: list[KVLoad] = []
+    """Decode side: KV to pull from prefill instances before this step's forward."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -199,6 +248,8 @@ class ModelRunnerOutput(Struct, tag=True):
     """Requests that could not sample this step, with why: they end with an error."""
     embeddings: dict[str, list[float]] = {}
     """Embedding requests whose prompt was completed this step: their pooled, L2-normalised final hidden state."""
+    kv_load_failed: dict[str, str] = {}
+    """KV loads of this step that failed on some worker, with why: those requests sampled nothing."""
 
 
 class WorkerUtilityResult(Struct, tag=True):
@@ -232,6 +283,9 @@ class EngineLoad(Struct, tag=True):
     dp_rank: int
     num_waiting: int
     num_running: int
+    new_prompt_blocks: list[bytes] = []
+    """Hashes of the full prompt blocks of the requests it took since its last EngineLoad, each prompt's in
+    order; only with cache-aware routing by several API servers (frontend/load_balancer.py)."""
 
 
 CoordinatorInput = StepVote | EngineLoad
@@ -259,6 +313,8 @@ class EngineLoads(Struct, tag=True):
 
     num_waiting: list[int]
     num_running: list[int]
+    new_prompt_blocks: list[list[bytes]] = []
+    """By data-parallel rank, the engines' EngineLoad.new_prompt_blocks since the last table (empty: none)."""
 
 
 # ---- start-up handshake ---------------------------------------------------------
@@ -290,3 +346,32 @@ class StartupFailed(Struct, tag=True):
 
 
 Handshake = Ready | StartupFailed
+
+
+# ---- prefill/decode disaggregation: between instances ---------------------------------
+
+
+class KVRelease(Struct, tag=True):
+    """Decode engine core -> prefill engine core: the KV of `request_id` was
+    taken (or will not be): its blocks may go back to the pool."""
+
+    request_id: str
+
+
+class KVPull(Struct, tag=True):
+    """Decode worker -> prefill worker of the same rank: send your share of the
+    KV of `request_id`'s blocks from `first_block` on."""
+
+    transfer_id: int
+    request_id: str
+    first_block: int
+
+
+class KVPullReply(Struct, tag=True):
+    """Followed by one frame per layer: that layer's K and V of the blocks,
+    [2, num_blocks, block_size, num_kv_heads, head_dim] in `dtype`, contiguous."""
+
+    transfer_id: int
+    error: str | None = None
+    shape: list[int] = []
+    dtype: str = ""

@@ -12,7 +12,7 @@ import time
 from array import array
 from collections.abc import Collection
 
-from fleet.core.messages import EngineCoreRequest, TokenLogprobs
+from fleet.core.messages import EngineCoreRequest, KVTransferParams, TokenLogprobs
 from fleet.core.sampling_params import SamplingParams
 
 BlockHash = bytes
@@ -83,6 +83,8 @@ class Request:
         self.first_scheduled_at: float | None = None
         self.sampling_params: SamplingParams = core_request.sampling_params
         self.pooling: str | None = core_request.pooling
+        self.kv_transfer: KVTransferParams | None = core_request.kv_transfer
+        """Prefill/decode disaggregation (core/kv_transfer.py); cleared once a remote prefill was used or given up."""
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.block_size = block_size

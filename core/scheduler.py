@@ -44,6 +44,7 @@ from collections.abc import Collection, Iterable
 from fleet.config.cache import CacheConfig
 from fleet.config.scheduler import SchedulerConfig
 from fleet.core.kv_cache_manager import KVCacheManager
+from fleet.core.kv_transfer import KVExports, plan_load, remote_prefill
 from fleet.core.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -98,6 +99,7 @@ class Scheduler:
         num_blocks: int,
         eos_token_ids: Collection[int],
         sliding_window: int | None = None,
+        kv_hold_timeout_s: float = 120.0,
     ):
         _check_configs(scheduler_config, cache_config, max_model_len, num_blocks)
         self.max_num_batched_tokens: int = scheduler_config.max_num_batched_tokens
@@ -119,7 +121,13 @@ class Scheduler:
         """Outputs of requests finished outside a step (aborts), sent with the next update."""
         self.step_counter = 0
         self.num_preemptions = 0
-        self._last_stats = (0, 0, 0)
+        self.kv_exports = KVExports(self.kv_cache_manager.free, self.kv_cache_manager.get_block_ids, kv_hold_timeout_s)
+        """Prefill side of disaggregation: finished requests whose KV waits for a decode instance."""
+        self.kv_releases: list[tuple[str, str]] = []
+        """Decode side: (release address, remote request id) of remote KV used or given up, for the engine to send."""
+        self.kv_transfer_tokens = 0
+        self.kv_transfer_failures = 0
+        self._last_stats = (0, 0, 0, 0, 0)
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -156,6 +164,7 @@ class Scheduler:
                 self._remove_running(request)
             else:
                 self.waiting.remove(request)
+                self._give_up_remote_prefill(request)
             request.finish(RequestStatus.FINISHED_ABORTED)
             self._release(request)
             self._pending_outputs.append(self._output(request, []))
@@ -163,12 +172,15 @@ class Scheduler:
     # ---- the scheduler output -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.kv_exports.expire()
         step = StepBudget(token_budget=self.max_num_batched_tokens)
         made_room_for = self._preempt_for_fair_share(step)
         self._schedule_running(step)
         self._schedule_waiting(step, made_room_for)
         self.step_counter += 1
-        return self._output_builder.build(self.step_counter, step)
+        output = self._output_builder.build(self.step_counter, step)
+        output.kv_exports, output.kv_export_releases = self.kv_exports.take_changes()
+        return output
 
     def _preempt_for_fair_share(self, step: StepBudget) -> Request | None:
         """Make room for the waiting head if it finds none and its group is under-served; returns
@@ -266,6 +278,10 @@ class Scheduler:
             if step.preempted and not self._admits_while_preempting(request, step, made_room_for):
                 break
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
+            if remote_prefill(request) is not None:
+                if not self._admit_with_remote_kv(request, computed_blocks, num_computed_tokens, step):
+                    break
+                continue
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > step.token_budget:
                 if not self.enable_chunked_prefill:
@@ -274,11 +290,42 @@ class Scheduler:
             new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
             if new_block_ids is None:
                 break
-            self.waiting.pop()
-            request.start_running(num_computed_tokens)
-            self.running.append(request)
-            self.waiting.started_running(request)
-            step.add(request, num_new_tokens, new_block_ids)
+            self._start_running(request, num_computed_tokens, num_new_tokens, new_block_ids, step)
+
+    def _start_running(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
+                       new_block_ids: list[int], step: StepBudget) -> None:
+        self.waiting.pop()
+        request.start_running(num_computed_tokens)
+        self.running.append(request)
+        self.waiting.started_running(request)
+        step.add(request, num_new_tokens, new_block_ids)
+
+    def _admit_with_remote_kv(self, request: Request, computed_blocks: list, num_computed_tokens: int,
+                              step: StepBudget) -> bool:
+        """Admit the waiting head whose prompt a prefill instance computed: blocks for the whole
+        prompt, all but its last token pulled (a KVLoad in this step), the last computed here.
+        False: no room for its blocks (nothing changed)."""
+        kv = self.kv_cache_manager
+        new_block_ids = kv.allocate_slots(request, request.num_tokens - num_computed_tokens, computed_blocks)
+        if new_block_ids is None:
+            return False
+        load = plan_load(request, num_computed_tokens, self.block_size, kv.get_block_ids(request.request_id))
+        if load is None:  # the local prefix cache holds all of it
+            self._give_up_remote_prefill(request)
+            num_loaded = num_computed_tokens
+        else:
+            step.kv_loads.append(load)
+            num_loaded = request.num_prompt_tokens - 1
+        self._start_running(request, num_loaded, request.num_tokens - num_loaded, new_block_ids, step)
+        request.num_cached_tokens = num_computed_tokens
+        return True
+
+    def _give_up_remote_prefill(self, request: Request) -> None:
+        """The request will not (or no longer) use its remote KV: the prefill instance may free it."""
+        params = remote_prefill(request)
+        if params is not None:
+            self.kv_releases.append((params.remote_release_address, params.remote_request_id))
+            request.kv_transfer = None
 
     def _admits_while_preempting(self, request: Request, step: StepBudget, made_room_for: Request | None) -> bool:
         """In a step that preempted, admitting would mostly thrash the cache: only the request fair
@@ -312,10 +359,11 @@ class Scheduler:
         assert runner_output.step_id == scheduler_output.step_id, (runner_output.step_id, scheduler_output.step_id)
         outputs, self._pending_outputs = self._pending_outputs, []
         sample_index = {request_id: index for index, request_id in enumerate(runner_output.request_ids)}
+        self._settle_kv_loads(scheduler_output, runner_output)
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran, or its KV load failed
             request.advance(num_tokens)
             failure = runner_output.failed.get(request_id)
             embedding = runner_output.embeddings.get(request_id)
@@ -331,10 +379,40 @@ class Scheduler:
             self.kv_cache_manager.cache_full_blocks(request)
             if request.is_finished:
                 self._remove_running(request)
-                self._release(request)
+                if output is not None and self._exports_kv(request):
+                    output.kv_transfer = self.kv_exports.hold(request, self.block_size)
+                    self._output_builder.forget(request_id)
+                    del self.requests[request_id]
+                else:
+                    self._release(request)
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    @staticmethod
+    def _exports_kv(request: Request) -> bool:
+        """A prefill instance's request that finished normally: a decode instance will pull its KV."""
+        params = request.kv_transfer
+        normal = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        return params is not None and params.do_remote_decode and normal
+
+    def _settle_kv_loads(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """The step's KV loads are done: the prefill instances may free them; a request whose load
+        failed computes its prompt here instead (its blocks hold nothing valid: none is cached)."""
+        for load in scheduler_output.kv_loads:
+            request = self.requests.get(load.request_id)
+            if request is None or remote_prefill(request) is None:
+                continue  # aborted while the step ran (and released then)
+            self._give_up_remote_prefill(request)
+            if load.request_id not in runner_output.kv_load_failed or request.status != RequestStatus.RUNNING:
+                self.kv_transfer_tokens += request.num_computed_tokens - request.num_cached_tokens
+                continue
+            self.kv_transfer_failures += 1
+            self._remove_running(request)
+            self.kv_cache_manager.free(request)
+            request.preempt()
+            self.waiting.prepend(request)
+            self._output_builder.forget(request.request_id)
 
     def _apply_sample(
         self, request: Request, runner_output: ModelRunnerOutput, index: int | None
@@ -380,7 +458,7 @@ class Scheduler:
 
     def has_finished_requests(self) -> bool:
         """Finished ids or abort outputs not yet delivered: worth one more (empty) step."""
-        return self._output_builder.has_finished or bool(self._pending_outputs)
+        return self._output_builder.has_finished or bool(self._pending_outputs) or self.kv_exports.has_changes
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -388,8 +466,10 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """Current occupancy, plus prefix-cache and preemption counts since the last call."""
         kv = self.kv_cache_manager
-        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions)
-        queries, hits, preemptions = (now - before for now, before in zip(totals, self._last_stats, strict=True))
+        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions, self.kv_transfer_tokens,
+                  self.kv_transfer_failures)
+        queries, hits, preemptions, transfer_tokens, transfer_failures = (
+            now - before for now, before in zip(totals, self._last_stats, strict=True))
         self._last_stats = totals
         return SchedulerStats(
             num_running=len(self.running),
@@ -401,4 +481,6 @@ class Scheduler:
             prefix_cache_hits=hits,
             num_preemptions=preemptions,
             step_counter=self.step_counter,
+            kv_transfer_tokens=transfer_tokens,
+            kv_transfer_failures=transfer_failures,
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fleet.core.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from fleet.core.messages import CachedRequestData, KVLoad, NewRequestData, SchedulerOutput
 from fleet.core.request import Request
 
 
@@ -17,6 +17,7 @@ class StepBudget:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
 
     def add(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
         self.requests.append(request)
@@ -75,6 +76,7 @@ class SchedulerOutputBuilder:
             cached_requests=cached_requests,
             num_scheduled_tokens=_decodes_first(step),
             finished_request_ids=finished_ids,
+            kv_loads=step.kv_loads,
         )
 
 

@@ -7,24 +7,34 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
+import msgspec
+
 from fleet.config.fleet import FleetConfig
-from fleet.core.messages import EngineCoreOutputs, EngineLoads
+from fleet.core.messages import EngineCoreOutputs, EngineLoads, KVTransferParams
 from fleet.core.node_plan import ClientAddresses
 from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.engine_client import EngineClient, EngineDeadError, ReplicaDown
-from fleet.frontend.load_balancer import LoadBalancer
+from fleet.frontend.load_balancer import LoadBalancer, routing_balancer
 from fleet.frontend.metrics import Metrics
 from fleet.frontend.output_processor import RequestState, RequestTracker, child_requests
+
+
+logger = logging.getLogger(__name__)
 
 
 class ServerStopping(Exception):
     """The drain after SIGTERM ended before the request did: HTTP 503, or a
     final error event on a stream, instead of a connection cut mid-answer."""
+
+
+class NoReplicaUp(Exception):
+    """None of the replicas a request may run on is up, and it does not wait for one."""
 
 
 class ReplicaLost(NamedTuple):
@@ -51,6 +61,10 @@ class _Tracked:
         """Whether it was told that replica died (once per send: see AsyncEngine._replica_lock)."""
         self.arrival = time.monotonic()
         self.last_token_at: float | None = None
+        self.among: frozenset[int] | None = None
+        """The engine indexes it may run on (--disaggregate: the prefill or the decode replicas); None: any."""
+        self.waits_for_replicas = True
+        """Whether it waits while none of them is up (a prefill gives up instead: the decode replica computes it)."""
 
 
 class AsyncEngine:
@@ -64,6 +78,8 @@ class AsyncEngine:
                                    load_address, self._on_loads, survives)
         self.client_index = client_index
         self.balancer: LoadBalancer | None = None
+        self.prefill_engines: frozenset[int] | None = None
+        """--disaggregate: the engine indexes of the prefill replicas (the others decode); None without."""
         self._tracked: RequestTracker[_Tracked] = RequestTracker()
         metrics.tracked_requests.set_function(self.num_unfinished)
         self._ids = itertools.count()
@@ -82,7 +98,10 @@ class AsyncEngine:
 
     def connect(self, num_engines: int) -> None:
         self.client.connect_engines(num_engines)
-        self.balancer = LoadBalancer([int.from_bytes(i, "little") for i in self.client.engine_identities])
+        self.balancer = routing_balancer(self.config, self.client, self.metrics.routing_decision)
+        if self.config.parallel.disaggregation is not None:
+            prefill_ranks = self.config.parallel.prefill_ranks()
+            self.prefill_engines = frozenset(i for i, rank in enumerate(self.balancer.dp_ranks) if rank in prefill_ranks)
         for dp_rank in self.balancer.dp_ranks:
             self.metrics.replica_up(dp_rank).set(1)
 
@@ -94,19 +113,27 @@ class AsyncEngine:
 
     async def generate(
         self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-        pooling: str | None = None,
+        pooling: str | None = None, kv_transfer: KVTransferParams | None = None, phase: str | None = None,
     ) -> AsyncIterator[RequestState]:
         """Yield the request's state each time it changes, until it finishes.
         Leaving the loop early (client gone) aborts the request in the engine.
-        `pooling`: an embedding request (its state's output gets the embedding)."""
+        `pooling`: an embedding request (its state's output gets the embedding).
+        With --disaggregate a prefill replica computes the prompt first (_prefill_apart);
+        `phase` "prefill" is that step's own request."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self._stopping is not None:
             raise self._stopping
+        if phase is None and kv_transfer is None and self._prefills_apart(params, pooling):
+            kv_transfer = await self._prefill_apart(prompt_token_ids, priority)
         request_id = f"{self.client_index}-{next(self._ids)}"
         tracked = _Tracked(RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer), asyncio.Queue(), asyncio.get_running_loop())
+        if self.prefill_engines is not None:
+            all_engines = frozenset(range(len(self.balancer.dp_ranks)))
+            tracked.among = self.prefill_engines if phase == "prefill" else all_engines - self.prefill_engines
+            tracked.waits_for_replicas = phase != "prefill"
         children = child_requests(request_id, prompt_token_ids, params, time.time(), self.client_index, priority,
-                                  pooling)
+                                  pooling, kv_transfer)
         state = tracked.state
         try:  # from here on, whatever fails (a send, the client leaving) leaves nothing tracked
             self._tracked.add(children, tracked)
@@ -125,7 +152,7 @@ class AsyncEngine:
                     state.fail(update)
                 elif state.apply(index, update):
                     self.client.abort([children[index].request_id], tracked.engine)  # a stop string ended it
-                if state.output.finished:
+                if state.output.finished and phase is None:
                     dp_rank = self.balancer.dp_ranks[tracked.engine]
                     self.metrics.observe_finished(state.output, params, time.monotonic() - tracked.arrival, dp_rank)
                 yield state
@@ -137,13 +164,35 @@ class AsyncEngine:
                 if unfinished and self.dead_reason is None:
                     self.client.abort(unfinished, tracked.engine)
 
+    def _prefills_apart(self, params: SamplingParams, pooling: str | None) -> bool:
+        """--disaggregate, and a request whose prompt a decode replica need not compute itself
+        (prompt logprobs and embeddings need every prompt position computed where they run)."""
+        return self.prefill_engines is not None and pooling is None and params.prompt_logprobs is None
+
+    async def _prefill_apart(self, prompt_token_ids: list[int], priority: int) -> KVTransferParams | None:
+        """Have a prefill replica compute the prompt (one token, which is dropped) and keep its KV;
+        the params with which a decode replica pulls it. None when no prefill replica could: the
+        decode replica computes the prompt itself."""
+        state = None
+        try:
+            async for state in self.generate(None, prompt_token_ids, SamplingParams(max_tokens=1), priority,
+                                             kv_transfer=KVTransferParams(do_remote_decode=True), phase="prefill"):
+                pass
+        except (ReplicaDown, NoReplicaUp) as error:
+            logger.warning("the decode replica computes a prompt itself: %s", error)
+            return None
+        params = state.output.kv_transfer_params if state is not None else None
+        return msgspec.convert(params, KVTransferParams) if params is not None else None
+
     async def _send(self, children: list, tracked: _Tracked) -> None:
-        """Send a request's children to the least-loaded replica that is up,
-        waiting while none is (the launcher is restarting them)."""
+        """Send a request's children to the replica that the balancer picks of those
+        up, waiting while none is (the launcher is restarting them)."""
         while True:
-            engine = self.balancer.pick(len(children))
+            engine = self.balancer.pick(len(children), children[0].prompt_token_ids, tracked.among)
             if engine is not None:
                 break
+            if not tracked.waits_for_replicas:
+                raise NoReplicaUp("no prefill replica is up")
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
             if self._stopping is not None:

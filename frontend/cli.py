@@ -18,6 +18,8 @@ COMMANDS = {
     "serve": "The same as launch (vLLM's name for it).",
     "plan": "Print this node's resolved launch plan as JSON; starts nothing and reads no weights.",
     "prepare": "Build the CPU kernels and convert the model's files now, so that the first launch starts at once.",
+    "proxy": "`fleet proxy --prefill URL... --decode URL...`: prefill/decode disaggregation in front of instances "
+             "launched with --kv-transfer-config.",
     "bench": "`fleet bench serve --base-url URL ...`: load a running OpenAI-compatible server and report "
              "throughput and latencies (vLLM's `vllm bench serve`).",
 }
@@ -58,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "bench":
         return _bench(rest)
+    if command == "proxy":
+        from fleet.frontend.proxy import main as proxy
+
+        return proxy(rest)
     parser = launch_parser(command)
     namespace, engine_args = parse_engine_args(parser, rest)
     _log_ignored(command, getattr(namespace, IGNORED_DEST))

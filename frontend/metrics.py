@@ -30,6 +30,8 @@ class Metrics:
         self.prefix_queries = per_engine(Counter("fleet:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", ["model_name", "engine"], registry=r))
         self.prefix_hits = per_engine(Counter("fleet:prefix_cache_hits", "Prompt tokens found in the prefix cache.", ["model_name", "engine"], registry=r))
         self.preemptions = per_engine(Counter("fleet:num_preemptions", "Requests preempted for lack of KV blocks.", ["model_name", "engine"], registry=r))
+        self.kv_transfer_tokens = per_engine(Counter("fleet:kv_transfer_tokens", "Prompt tokens whose KV came from a prefill instance (--kv-transfer-config).", ["model_name", "engine"], registry=r))
+        self.kv_transfer_failures = per_engine(Counter("fleet:kv_transfer_failures", "KV transfers that failed, so that the prompt was computed here.", ["model_name", "engine"], registry=r))
         self.prompt_tokens = per_engine(Counter("fleet:prompt_tokens", "Prompt tokens received.", ["model_name", "engine"], registry=r))
         self.generation_tokens = per_engine(Counter("fleet:generation_tokens", "Tokens generated.", ["model_name", "engine"], registry=r))
         self.request_success = Counter("fleet:request_success", "Finished requests by finish reason.", ["model_name", "engine", "finished_reason"], registry=r)
@@ -65,10 +67,17 @@ class Metrics:
                                                     "it died.", ["model_name", "replica"], registry=r))
         self.requests_retried = Counter("fleet:requests_retried", "Requests sent to another replica because theirs "
                                         "died before they had a token.", ["model_name"], registry=r).labels(**labels)
+        self._routing_decisions = Counter(
+            "fleet:routing_decisions", "Replicas this API server picked, by why (--data-parallel-routing): prefix "
+            "(it holds the longest prefix of the prompt), least_loaded, imbalance (the one holding the prefix was "
+            "too busy), round_robin.", ["model_name", "reason"], registry=r)
         self.tracked_requests = Gauge(
             "fleet:api_server_tracked_requests", "Engine requests this API server holds state for.", registry=r
         )
         self.model_name = model_name
+
+    def routing_decision(self, reason: str) -> None:
+        self._routing_decisions.labels(model_name=self.model_name, reason=reason).inc()
 
     def observe_scheduler(self, stats: SchedulerStats, engine: int) -> None:
         self.num_running(engine).set(stats.num_running)
@@ -77,6 +86,8 @@ class Metrics:
         self.prefix_queries(engine).inc(stats.prefix_cache_queries)
         self.prefix_hits(engine).inc(stats.prefix_cache_hits)
         self.preemptions(engine).inc(stats.num_preemptions)
+        self.kv_transfer_tokens(engine).inc(stats.kv_transfer_tokens)
+        self.kv_transfer_failures(engine).inc(stats.kv_transfer_failures)
 
     def observe_finished(self, output: RequestOutput, params: SamplingParams, latency: float, engine: int) -> None:
         for sequence in output.outputs:

@@ -12,7 +12,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from fleet.core.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+import msgspec
+
+from fleet.core.messages import EngineCoreOutput, EngineCoreRequest, KVTransferParams, TokenLogprobs
 from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.detokenizer import IncrementalDetokenizer
 
@@ -82,6 +84,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     embedding: list[float] | None = None
     """An embedding request's vector (LLM.embed, /v1/embeddings)."""
+    kv_transfer_params: dict | None = None
+    """A prefill instance's answer to do_remote_decode (EngineCoreOutput.kv_transfer, as JSON)."""
 
     @property
     def finished(self) -> bool:
@@ -98,7 +102,8 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 def child_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-                   client_index: int, priority: int = 0, pooling: str | None = None) -> list[EngineCoreRequest]:
+                   client_index: int, priority: int = 0, pooling: str | None = None,
+                   kv_transfer: KVTransferParams | None = None) -> list[EngineCoreRequest]:
     """The n engine requests of one user request: n = 1 each, distinct seeds, and for n > 1
     the user request's id as parent_request_id, so the scheduler counts them as one group
     (`pooling`: an embedding request, see EngineCoreRequest.pooling)."""
@@ -109,7 +114,9 @@ def child_requests(request_id: str, prompt_token_ids: list[int], params: Samplin
         children.append(
             EngineCoreRequest(child_request_id(request_id, index, params.n), prompt_token_ids, child_params,
                               arrival_time, client_index, priority, pooling,
-                              parent_request_id=request_id if params.n > 1 else None)
+                              parent_request_id=request_id if params.n > 1 else None,
+                              # one transfer per prompt: the other sequences find its blocks in the prefix cache
+                              kv_transfer=kv_transfer if index == 0 else None)
         )
     return children
 
@@ -155,6 +162,8 @@ class RequestState:
             self.output.num_cached_tokens = engine_output.num_cached_tokens
         if engine_output.embedding is not None:
             self.output.embedding = engine_output.embedding
+        if engine_output.kv_transfer is not None:
+            self.output.kv_transfer_params = msgspec.to_builtins(engine_output.kv_transfer)
         ended_by_stop_string = stop_string is not None and sequence.finish_reason is None
         if ended_by_stop_string:
             sequence.finish_reason, sequence.stop_reason = "stop", stop_string

@@ -145,7 +145,20 @@ def describe(config: FleetConfig, plan: NodePlan) -> dict[str, Any]:
         "load": dataclasses.asdict(config.load),
         "frontend": {k: v for k, v in dataclasses.asdict(config.frontend).items() if k != "api_key"},
         "compilation": dataclasses.asdict(config.compilation),
+        "kv_transfer": _kv_transfer_summary(config),
     }
+
+
+def _kv_transfer_summary(config: FleetConfig) -> dict[str, Any] | None:
+    """--kv-transfer-config, and with --disaggregate which replicas prefill and which decode."""
+    if config.kv_transfer is None:
+        return None
+    summary: dict[str, Any] = dataclasses.asdict(config.kv_transfer)
+    if config.parallel.disaggregation is not None:
+        prefill = config.parallel.prefill_ranks()
+        summary["prefill_replicas"] = prefill
+        summary["decode_replicas"] = [r for r in range(config.parallel.data_parallel_size) if r not in prefill]
+    return summary
 
 
 def _memory_summary(config: FleetConfig) -> dict[str, Any] | str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from fleet.core.messages import KVTransferParams
 from fleet.core.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from fleet.frontend.async_engine import AsyncEngine
 from fleet.frontend.output_processor import EMBEDDING_PARAMS, CompletionOutput, Logprob, RequestOutput, RequestState
@@ -34,6 +35,8 @@ class Prepared:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    kv_transfer: KVTransferParams | None = None
+    """Prefill/decode disaggregation: the request's kv_transfer_params."""
 
 
 class Serving:
@@ -78,7 +81,24 @@ class Serving:
                                                  "(--max-request-tokens)")
         if params.structured_outputs is not None:
             self.check_constraint(params.structured_outputs, "structured_outputs")
-        return Prepared(prompt, token_ids, params)
+        return Prepared(prompt, token_ids, params, self.kv_transfer(request.kv_transfer_params))
+
+    def kv_transfer(self, body: dict | None) -> KVTransferParams | None:
+        """A request's kv_transfer_params, if this instance's --kv-transfer-config role takes them."""
+        if body is None:
+            return None
+        try:
+            params = msgspec.convert(body, KVTransferParams)
+        except msgspec.ValidationError as error:
+            raise InvalidParameter("kv_transfer_params", str(error)) from None
+        role = self.engine.config.kv_transfer
+        if params.do_remote_decode and not (role and role.is_producer):
+            raise InvalidParameter("kv_transfer_params", "do_remote_decode needs an instance started with "
+                                                         "--kv-transfer-config kv_role kv_producer or kv_both")
+        if params.do_remote_prefill and not (role and role.is_consumer):
+            raise InvalidParameter("kv_transfer_params", "do_remote_prefill needs an instance started with "
+                                                         "--kv-transfer-config kv_role kv_consumer or kv_both")
+        return params if params.do_remote_decode or params.do_remote_prefill else None
 
     def check_constraint(self, constraint: StructuredOutputsParams, param: str) -> None:
         constraint.check_size(self.limits.max_structured_choices)
@@ -170,7 +190,8 @@ class Serving:
     async def run_to_end(self, prepared: Prepared, priority: int = 0, pooling: str | None = None) -> RequestOutput:
         state = None
         params = prepared.params
-        async for state in self.engine.generate(prepared.prompt, prepared.prompt_token_ids, params, priority, pooling):
+        async for state in self.engine.generate(prepared.prompt, prepared.prompt_token_ids, params, priority, pooling,
+                                                prepared.kv_transfer):
             pass
         assert state is not None
         _raise_if_failed(state.output)
@@ -205,6 +226,7 @@ class Serving:
             "model": self.answered_name(request),
             "choices": choices,
             "usage": _usage(outputs),
+            **_kv_transfer_params(outputs),
         }
 
     async def completion_stream(self, request: CompletionRequest, prepared: list[Prepared]) -> AsyncIterator[str]:
@@ -275,6 +297,7 @@ class Serving:
             "choices": choices,
             "usage": _usage([output]),
             "prompt_logprobs": _prompt_logprobs(output) if request.prompt_logprobs is not None else None,
+            **_kv_transfer_params([output]),
         }
 
     async def chat_stream(self, request: ChatCompletionRequest, prepared: Prepared,
@@ -320,7 +343,8 @@ class Serving:
         `finished`, or its failure raised."""
         cursors = [StreamCursor() for _ in range(prepared.params.n)]
         state = None
-        async for state in self.engine.generate(prepared.prompt, prepared.prompt_token_ids, prepared.params, priority):
+        async for state in self.engine.generate(prepared.prompt, prepared.prompt_token_ids, prepared.params, priority,
+                                                kv_transfer=prepared.kv_transfer):
             for sequence in state.output.outputs:
                 step = cursors[sequence.index].advance(state, sequence)
                 if step is not None:
@@ -487,6 +511,12 @@ def _prompt_logprobs(output: RequestOutput) -> list[dict | None] | None:
                                     for t, lp in entry.items()}
         for entry in output.prompt_logprobs
     ]
+
+
+def _kv_transfer_params(outputs: list[RequestOutput]) -> dict:
+    """A prefill instance's answer to do_remote_decode: where a decode instance takes the KV (vLLM's field)."""
+    params = [output.kv_transfer_params for output in outputs if output.kv_transfer_params is not None]
+    return {"kv_transfer_params": params[0]} if params else {}
 
 
 def _usage(outputs: list[RequestOutput]) -> dict:

@@ -43,6 +43,9 @@ class WorkerDied(RuntimeError):
 
 
 class Executor:
+    kv_export_addresses: list[str] = []
+    """Producer of KV (--kv-transfer-config): where each worker serves its share, by rank in the replica."""
+
     def start(self) -> KVCapacity:
         """Start the workers, size and allocate the KV cache; return its capacity."""
         raise NotImplementedError
@@ -83,6 +86,8 @@ class UniExecutor(Executor):
         self.worker = Worker(self.config, worker)
         num_blocks = self.worker.available_kv_blocks()
         self.worker.init_kv_cache(num_blocks)
+        transfer = self.worker.runner.kv_transfer
+        self.kv_export_addresses = [transfer.address] if transfer is not None and transfer.address else []
         return KVCapacity(num_blocks, self.config.cache.block_size)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -153,6 +158,8 @@ class MultiprocExecutor(Executor):
         finally:
             handshake.close()
         self._wait_for_subscribers(parallel.replica_size)
+        exports = [ready[worker_name(parallel, rank)].addresses.get("kv_export") for rank in sorted(self.plan.worker_ranks)]
+        self.kv_export_addresses = exports if all(exports) else []
         # Every worker must fit the same number of blocks: the smallest wins.
         num_blocks = min(r.kv_capacity.num_blocks for r in ready.values() if r.kv_capacity)
         self.call("init_kv_cache", [num_blocks])

@@ -10,6 +10,7 @@ from fleet.config.fleet import FleetConfig
 from fleet.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from fleet.parallel.comm import get_pp_group
 from fleet.workers.compiled_decode import CompiledDecode
+from fleet.workers.kv_transfer import WorkerKVTransfer
 from fleet.workers.input_batch import CachedRequests, CachedRequestState, StepBatch
 from fleet.workers.sampler import SamplingRow, sample_isolating_failures, top_logprobs
 from fleet.workers.structured_output import Grammars
@@ -34,6 +35,8 @@ class ModelRunner:
         self.eos_token_ids = list(config.model.eos_token_ids)
         self.grammars = Grammars(config.model, config.model.hf_config.get("vocab_size") or 0)
         self.compiled = CompiledDecode(config, model, device) if config.compilation.mode == "torch_compile" else None
+        self.kv_transfer: WorkerKVTransfer | None = None
+        """Prefill/decode disaggregation (set by the worker when --kv-transfer-config is given)."""
 
     # ---- KV cache -------------------------------------------------------------------
 
@@ -56,6 +59,13 @@ class ModelRunner:
         """Run one step. Every worker runs it (collectives need all of them);
         only the driver (tensor rank 0 of the last stage) returns an output."""
         self.states.apply(scheduler_output)
+        kv_load_failed = self.kv_transfer.step(scheduler_output, self.kv_caches) if self.kv_transfer else {}
+        output = self._execute(scheduler_output, kv_load_failed)
+        if output is not None and kv_load_failed:
+            output.kv_load_failed = kv_load_failed
+        return output
+
+    def _execute(self, scheduler_output: SchedulerOutput, kv_load_failed: dict[str, str]) -> ModelRunnerOutput | None:
         step_id = scheduler_output.step_id
         if not scheduler_output.num_scheduled_tokens and not self.forward_every_step:
             return ModelRunnerOutput(step_id=step_id, request_ids=[], sampled_token_ids=[]) if self.is_driver else None
@@ -73,7 +83,8 @@ class ModelRunner:
             return None
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         embeddings = self._pool(batch, hidden) if self.is_driver else {}
-        complete = [i for i, state in enumerate(batch.requests) if batch.attention.seq_lens_list[i] >= state.num_tokens]
+        complete = [i for i, state in enumerate(batch.requests) if batch.attention.seq_lens_list[i] >= state.num_tokens
+                    and state.request_id not in kv_load_failed]  # its KV is garbage: it samples nothing
         sampling = [i for i in complete if batch.requests[i].pooling is None]
         if not sampling:
             if not self.is_driver:

@@ -67,6 +67,12 @@ class Worker:
                     self.device)
         self.is_driver = rank == driver_rank(config.parallel)
         self.runner = ModelRunner(config, model, self.device, self.is_driver)
+        if config.kv_transfer is not None:
+            from fleet.workers.kv_transfer import WorkerKVTransfer
+
+            kv = config.kv_transfer
+            port = kv.kv_port and kv.kv_port + plan.dp_rank * config.parallel.replica_size + rank
+            self.runner.kv_transfer = WorkerKVTransfer(kv, rank, port)
         if self.device.type == "cpu":
             from fleet.kernels.cpu_extension import cpu_kernels
 
@@ -139,7 +145,9 @@ def serve_worker(name: str, info: WorkerStartupInfo) -> None:
         return worker, steps, results, KVCapacity(worker.available_kv_blocks(), info.config.cache.block_size)
 
     worker, steps, results, capacity = processes.start_or_report(name, info.handshake_address, build)
-    processes.report(info.handshake_address, Ready(name, os.getpid(), kv_capacity=capacity))
+    kv_export = worker.runner.kv_transfer.address if worker.runner.kv_transfer else None
+    addresses = {"kv_export": kv_export} if kv_export else {}
+    processes.report(info.handshake_address, Ready(name, os.getpid(), kv_capacity=capacity, addresses=addresses))
     _serve(worker, info.plan.replica_rank, name, steps, results)
 
 

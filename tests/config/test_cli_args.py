@@ -75,6 +75,7 @@ def test_engine_args_has_a_field_per_user_field_and_nothing_resolved():
         (["--data-parallel-rpc-port", "1234"], "data_parallel_rpc_port", 1234),
         (["--data-parallel-hybrid-lb"], "data_parallel_hybrid_lb", True),
         (["--data-parallel-external-lb"], "data_parallel_external_lb", True),
+        (["--data-parallel-routing", "round-robin"], "data_parallel_routing", "round-robin"),
         (["--data-parallel-backend", "ray"], "data_parallel_backend", "ray"),
         (["--distributed-executor-backend", "uni"], "distributed_executor_backend", "uni"),
         (["--master-addr", "10.0.0.9"], "master_addr", "10.0.0.9"),
@@ -126,6 +127,7 @@ def test_optional_bool_fields_stay_unset_unless_given(parse, field):
     [
         ("dtype", ["auto", "float32", "bfloat16", "float16"]),
         ("data_parallel_backend", ["mp", "ray"]),
+        ("data_parallel_routing", ["least-loaded", "cache-aware", "round-robin"]),
         ("distributed_executor_backend", ["uni", "mp", "ray"]),
         ("scheduling_policy", ["fcfs", "priority"]),
         ("load_format", ["auto", "safetensors", "gguf", "dummy"]),
@@ -140,6 +142,13 @@ def test_literal_fields_accept_exactly_their_choices(parse, capsys, field, choic
     with pytest.raises(SystemExit) as exit_info:
         parse(flag, "bogus")
     assert_usage_error(capsys, exit_info, flag, "bogus", "invalid choice")
+
+
+def test_data_parallel_routing_is_cache_aware_unless_told_and_a_bad_value_names_the_choices(parse, capsys):
+    assert parse().data_parallel_routing == "cache-aware"
+    with pytest.raises(SystemExit) as exit_info:
+        parse("--data-parallel-routing", "random")
+    assert_usage_error(capsys, exit_info, "--data-parallel-routing", "least-loaded", "cache-aware", "round-robin")
 
 
 def test_literal_choices_are_shown_in_help():
