@@ -10,12 +10,12 @@ from typing import Any, Literal
 from fleet.config import env
 from fleet.config.cache import CacheConfig
 from fleet.config.compilation import CompilationConfig
-from fleet.config.kv_transfer import KVTransferConfig
 from fleet.config.cpu_class import cpu_class, cpu_computes_bfloat16
 from fleet.config.device import DeviceConfig
 from fleet.config.fields import HumanInt, HumanReadable, parse_human_int
 from fleet.config.fleet import FleetConfig
 from fleet.config.frontend import FrontendConfig
+from fleet.config.kv_transfer import KVTransferConfig
 from fleet.config.load import LoadConfig
 from fleet.config.model import (
     DEFAULT_MODEL,

@@ -47,7 +47,8 @@ class KVTransferConfig:
         """ValueError naming --kv-transfer-config and what works."""
         flag = "--kv-transfer-config"
         if self.kv_connector not in KV_CONNECTORS:
-            raise ValueError(f"{flag} kv_connector {self.kv_connector!r} is not built: choose from {list(KV_CONNECTORS)}")
+            raise ValueError(f"{flag} kv_connector {self.kv_connector!r} is not built: "
+                             f"choose from {list(KV_CONNECTORS)}")
         if self.kv_parallel_size < 1 or (self.kv_rank is not None and not 0 <= self.kv_rank < self.kv_parallel_size):
             raise ValueError(f"{flag}: kv_rank {self.kv_rank} must be in [0, kv_parallel_size {self.kv_parallel_size})")
         if not 0 <= self.kv_port < 65536:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from fleet.config.fields import RESOLVED
 
@@ -74,7 +74,7 @@ class ParallelConfig:
     engine_step_timeout: float = 300.0
     """Seconds a replica's step may take before its workers count as hung and the replica as dead."""
     disaggregate: str | None = None
-    """prefill=N,decode=M: N + M data-parallel replicas behind one front end, which sends each request's prompt to a prefill replica and its decoding, with the prompt's KV, to a decode replica (prefill/decode disaggregation; implies --kv-transfer-config kv_role kv_both)."""
+    """prefill=N,decode=M[,min_prompt_tokens=256]: N + M data-parallel replicas behind one front end, which sends each request's prompt to a prefill replica and its decoding, with the prompt's KV, to a decode replica (prefill/decode disaggregation; implies --kv-transfer-config kv_role kv_both). Prompts shorter than min_prompt_tokens go to a decode replica alone, which computes them (they stall its decodes less than a transfer costs them)."""
     is_moe: bool = field(default=False, metadata=RESOLVED)
     """Resolved from the model: whether it has mixture-of-experts layers."""
 
@@ -101,8 +101,8 @@ class ParallelConfig:
         return self.data_parallel_size * self.tensor_parallel_size
 
     @property
-    def disaggregation(self) -> tuple[int, int] | None:
-        """(prefill replicas, decode replicas) with --disaggregate; None without."""
+    def disaggregation(self) -> Disaggregation | None:
+        """--disaggregate's replicas and prompt threshold; None without."""
         return None if self.disaggregate is None else _disaggregation_sizes(self.disaggregate)
 
     def prefill_ranks(self) -> list[int]:
@@ -224,21 +224,35 @@ class ParallelConfig:
         return resolved
 
 
-def _disaggregation_sizes(text: str) -> tuple[int, int]:
-    """"prefill=N,decode=M" -> (N, M); ValueError naming the flag."""
+class Disaggregation(NamedTuple):
+    prefill: int
+    """Replicas that compute prompts (data-parallel ranks 0 .. prefill - 1)."""
+    decode: int
+    """Replicas that decode (the ranks after them)."""
+    min_prompt_tokens: int
+    """Shorter prompts are computed by the decode replica itself: moving them costs more than they stall."""
+
+
+DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS = 256
+
+
+def _disaggregation_sizes(text: str) -> Disaggregation:
+    """"prefill=N,decode=M[,min_prompt_tokens=K]"; ValueError naming the flag."""
     sizes: dict[str, int] = {}
-    for part in text.split(","):
+    parts = text.split(",")
+    for part in parts:
         name, _, value = part.partition("=")
-        if name.strip() in ("prefill", "decode") and value.strip().isdigit():
+        if name.strip() in ("prefill", "decode", "min_prompt_tokens") and value.strip().isdigit():
             sizes[name.strip()] = int(value)
-    if sorted(sizes) != ["decode", "prefill"] or len(text.split(",")) != 2 or min(sizes.values()) < 1:
-        raise ValueError(f"--disaggregate takes prefill=N,decode=M with N, M >= 1, got {text!r}")
-    return sizes["prefill"], sizes["decode"]
+    if len(sizes) != len(parts) or not {"prefill", "decode"} <= set(sizes) or min(sizes["prefill"], sizes["decode"]) < 1:
+        raise ValueError(f"--disaggregate takes prefill=N,decode=M[,min_prompt_tokens=K] with N, M >= 1, got {text!r}")
+    return Disaggregation(sizes["prefill"], sizes["decode"],
+                          sizes.get("min_prompt_tokens", DEFAULT_DISAGGREGATION_MIN_PROMPT_TOKENS))
 
 
 def _with_disaggregation(config: ParallelConfig) -> ParallelConfig:
     """The replicas --disaggregate asks for, on one node behind one front end."""
-    prefill, decode = _disaggregation_sizes(config.disaggregate)
+    prefill, decode, _ = _disaggregation_sizes(config.disaggregate)
     if config.data_parallel_size not in (1, prefill + decode):
         raise ValueError(f"--disaggregate {config.disaggregate} makes {prefill + decode} replicas: "
                          f"leave out --data-parallel-size {config.data_parallel_size}")

@@ -113,7 +113,8 @@ class EngineCore:
         if params is None:
             return request
         role = self.config.kv_transfer
-        params = msgspec.structs.replace(params, do_remote_decode=params.do_remote_decode and bool(role and role.is_producer))
+        produces = bool(role and role.is_producer)
+        params = msgspec.structs.replace(params, do_remote_decode=params.do_remote_decode and produces)
         if params.do_remote_prefill:
             replica_size = self.config.parallel.tensor_parallel_size * self.config.parallel.pipeline_parallel_size
             why = usable(params, len(request.prompt_token_ids), self.config.cache.block_size, replica_size)

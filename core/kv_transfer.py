@@ -101,6 +101,7 @@ def usable(params: KVTransferParams, num_prompt_tokens: int, block_size: int, re
     if len(params.remote_kv_addresses) != replica_size:
         return (f"the prefill instance has {len(params.remote_kv_addresses)} workers per replica, "
                 f"this one {replica_size}")
-    if params.remote_num_tokens < num_prompt_tokens - 1 or len(params.remote_block_ids) * block_size < num_prompt_tokens - 1:
+    needed = num_prompt_tokens - 1
+    if params.remote_num_tokens < needed or len(params.remote_block_ids) * block_size < needed:
         return f"the remote KV holds {params.remote_num_tokens} tokens, the prompt has {num_prompt_tokens}"
     return None

@@ -124,7 +124,7 @@ class AsyncEngine:
             raise EngineDeadError(self.dead_reason)
         if self._stopping is not None:
             raise self._stopping
-        if phase is None and kv_transfer is None and self._prefills_apart(params, pooling):
+        if phase is None and kv_transfer is None and self._prefills_apart(prompt_token_ids, params, pooling):
             kv_transfer = await self._prefill_apart(prompt_token_ids, priority)
         request_id = f"{self.client_index}-{next(self._ids)}"
         tracked = _Tracked(RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer), asyncio.Queue(), asyncio.get_running_loop())
@@ -164,10 +164,12 @@ class AsyncEngine:
                 if unfinished and self.dead_reason is None:
                     self.client.abort(unfinished, tracked.engine)
 
-    def _prefills_apart(self, params: SamplingParams, pooling: str | None) -> bool:
-        """--disaggregate, and a request whose prompt a decode replica need not compute itself
-        (prompt logprobs and embeddings need every prompt position computed where they run)."""
-        return self.prefill_engines is not None and pooling is None and params.prompt_logprobs is None
+    def _prefills_apart(self, prompt_token_ids: list[int], params: SamplingParams, pooling: str | None) -> bool:
+        """--disaggregate, and a prompt long enough to be worth moving (min_prompt_tokens) that the decode
+        replica need not compute itself (prompt logprobs and embeddings need every position computed there)."""
+        if self.prefill_engines is None or pooling is not None or params.prompt_logprobs is not None:
+            return False
+        return len(prompt_token_ids) >= self.config.parallel.disaggregation.min_prompt_tokens
 
     async def _prefill_apart(self, prompt_token_ids: list[int], priority: int) -> KVTransferParams | None:
         """Have a prefill replica compute the prompt (one token, which is dropped) and keep its KV;

@@ -127,8 +127,8 @@ def run_workload(url: str, args: argparse.Namespace) -> dict:
 def ms(values: list[float]) -> str:
     if len(values) < 2:
         return f"n={len(values)}"
-    return (f"p50 {statistics.median(values) * 1000:.0f} ms, p99 {statistics.quantiles(values, n=100)[98] * 1000:.0f} ms"
-            f" (n={len(values)})")
+    p50, p99 = statistics.median(values), statistics.quantiles(values, n=100)[98]
+    return f"p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms (n={len(values)})"
 
 
 def main() -> None:

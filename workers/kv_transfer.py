@@ -97,12 +97,18 @@ class KVPuller:
         except TimeoutError:
             self._drop(address)  # a late reply must not be read as another transfer's
             return f"no KV from {address} within {self.timeout_s:g} s"
+        except zmq.ZMQError as error:  # the params came from a client: an address may be nonsense
+            self._drop(address)
+            return f"cannot reach {address!r}: {error}"
         header = self._decoder.decode(frames[0])
         if header is None or header.transfer_id != transfer_id:
             return f"a malformed reply from {address}"
         if header.error is not None:
             return f"{address}: {header.error}"
-        return _copy_in(header, frames[1:], load.block_ids, kv_caches)
+        try:
+            return _copy_in(header, frames[1:], load.block_ids, kv_caches)
+        except (RuntimeError, ValueError, TypeError) as error:  # frames that do not hold what the header says
+            return f"a malformed reply from {address}: {error}"
 
     def _request(self, address: str, pull: KVPull) -> list[zmq.Frame]:
         socket = self._sockets.get(address)
@@ -128,7 +134,8 @@ def _copy_in(header: KVPullReply, frames: list[zmq.Frame], block_ids: list[int],
     local = kv_caches[0]
     expected = [2, len(block_ids), *local.shape[2:]]
     dtype = str(local.dtype).removeprefix("torch.")
-    if len(frames) != len(kv_caches) or header.dtype != dtype or header.shape[:1] + header.shape[2:] != expected[:1] + expected[2:]:
+    same_blocks = header.shape[:1] + header.shape[2:] == expected[:1] + expected[2:]
+    if len(frames) != len(kv_caches) or header.dtype != dtype or not same_blocks:
         return (f"the remote KV is {len(frames)} layers of {header.shape} {header.dtype}; "
                 f"this worker holds {len(kv_caches)} layers of blocks {expected} {dtype}")
     if header.shape[1] < len(block_ids):
@@ -172,8 +179,8 @@ class WorkerKVTransfer:
             if why is not None:
                 logger.warning("KV of %s not loaded: %s", load.request_id, why)
                 failures[load.request_id] = why
-        failed_anywhere = get_tp_group().all_reduce(
-            torch.tensor([load.request_id in failures for load in loads], dtype=torch.int32, device=kv_caches[0].device))
+        flags = [load.request_id in failures for load in loads]
+        failed_anywhere = get_tp_group().all_reduce(torch.tensor(flags, dtype=torch.int32, device=kv_caches[0].device))
         return {load.request_id: failures.get(load.request_id, "the load failed on another worker")
                 for load, failed in zip(loads, failed_anywhere.tolist(), strict=True) if failed}
 

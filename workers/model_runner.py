@@ -10,8 +10,8 @@ from fleet.config.fleet import FleetConfig
 from fleet.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from fleet.parallel.comm import get_pp_group
 from fleet.workers.compiled_decode import CompiledDecode
-from fleet.workers.kv_transfer import WorkerKVTransfer
 from fleet.workers.input_batch import CachedRequests, CachedRequestState, StepBatch
+from fleet.workers.kv_transfer import WorkerKVTransfer
 from fleet.workers.sampler import SamplingRow, sample_isolating_failures, top_logprobs
 from fleet.workers.structured_output import Grammars
 

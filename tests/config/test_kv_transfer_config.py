@@ -46,11 +46,15 @@ def test_pipeline_stages_are_refused(llama_config_dir):
 def test_disaggregate_makes_its_replicas_and_both_roles(llama_config_dir):
     config = resolve(llama_config_dir, disaggregate="prefill=2,decode=1")
     assert config.parallel.data_parallel_size == 3 and config.parallel.prefill_ranks() == [0, 1]
+    assert config.parallel.disaggregation.min_prompt_tokens == 256
+    assert resolve(llama_config_dir, disaggregate="prefill=1,decode=1,min_prompt_tokens=0").parallel.disaggregation == (
+        1, 1, 0)
     assert config.kv_transfer == KVTransferConfig(kv_role="kv_both")
 
 
 @pytest.mark.parametrize("args, words", [
     ({"disaggregate": "prefill=1"}, ["prefill=N,decode=M"]),
+    ({"disaggregate": "prefill=1,decode=1,min_prompt=3"}, ["min_prompt_tokens=K"]),
     ({"disaggregate": "prefill=0,decode=1"}, ["N, M >= 1"]),
     ({"disaggregate": "prefill=1,decode=1", "data_parallel_size": 3}, ["--data-parallel-size 3"]),
     ({"disaggregate": "prefill=1,decode=1", "nnodes": 2}, ["--nnodes", "fleet proxy"]),

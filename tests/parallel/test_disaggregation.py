@@ -79,18 +79,21 @@ def test_outputs_through_the_proxy_match_transformers_and_the_decode_instance_co
 
 def test_a_failed_transfer_computes_the_prompt_on_the_decode_instance(instances, tiny_llama_dir):
     prefill, decode, proxy = instances
-    prompts = random_prompts(2, 512, seed=4, max_len=40)
+    prompts = random_prompts(3, 512, seed=4, max_len=40)
     answer = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
         "prompt": prompts[0], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
     params = answer["kv_transfer_params"]
     unreachable = {**params, "remote_kv_addresses": ["tcp://127.0.0.1:9", "tcp://127.0.0.1:9"]}
     unknown = {**params, "remote_request_id": "never-ran", "remote_num_tokens": len(prompts[1]),
                "remote_block_ids": list(range(len(prompts[1])))}
+    nonsense = {**unknown, "remote_kv_addresses": ["not an address", "tcp://"],  # a client's: no worker dies
+                "remote_num_tokens": len(prompts[2])}
     failures = decode.metric("fleet:kv_transfer_failures_total")
     texts = [complete(decode.url, prompts[0], kv_transfer_params=unreachable),
-             complete(decode.url, prompts[1], kv_transfer_params=unknown)]
+             complete(decode.url, prompts[1], kv_transfer_params=unknown),
+             complete(decode.url, prompts[2], kv_transfer_params=nonsense)]
     assert [t.strip("\ufffd") for t in texts] == expected(decode, tiny_llama_dir, prompts)
-    assert decode.wait_until(lambda: decode.metric("fleet:kv_transfer_failures_total") == failures + 2)
+    assert decode.wait_until(lambda: decode.metric("fleet:kv_transfer_failures_total") == failures + 3)
 
 
 def test_kv_transfer_params_an_instance_cannot_take_are_a_400(instances):
@@ -131,7 +134,7 @@ def _kv_usage_after_a_request(server: Server) -> float:
 @pytest.fixture(scope="module")
 def disaggregated(tiny_llama_dir):
     server = Server(tiny_llama_dir, "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-bytes", "2M",
-                    "--disaggregate", "prefill=1,decode=1")
+                    "--disaggregate", "prefill=1,decode=1,min_prompt_tokens=8")
     yield server
     server.close()
 
@@ -140,7 +143,7 @@ def test_one_launch_prefills_on_one_replica_and_decodes_on_the_other(disaggregat
     from fleet.tests.parallel.dp_helpers import per_engine
 
     server = disaggregated
-    prompts = random_prompts(6, 512, seed=6, max_len=60)
+    prompts = [p for p in random_prompts(8, 512, seed=6, max_len=60) if len(p) >= 8][:6]
     with ThreadPoolExecutor(len(prompts)) as pool:
         texts = list(pool.map(lambda i: complete(server.url, prompts[i], stream=i % 2 == 0), range(len(prompts))))
     assert [t.strip("\ufffd") for t in texts] == expected(server, tiny_llama_dir, prompts)
@@ -153,11 +156,23 @@ def test_one_launch_prefills_on_one_replica_and_decodes_on_the_other(disaggregat
     assert per_engine(pages, "fleet:kv_transfer_failures_total")["1"] == 0
 
 
+def test_one_launch_computes_short_prompts_on_the_decode_replica(disaggregated, tiny_llama_dir):
+    from fleet.tests.parallel.dp_helpers import per_engine
+
+    server = disaggregated
+    before = per_engine({"0": server.get("/metrics").text}, "fleet:generation_tokens_total")
+    prompts = random_prompts(2, 512, seed=8, max_len=7)  # under min_prompt_tokens=8
+    texts = [complete(server.url, prompt) for prompt in prompts]
+    assert [t.strip("\ufffd") for t in texts] == expected(server, tiny_llama_dir, prompts)
+    after = per_engine({"0": server.get("/metrics").text}, "fleet:generation_tokens_total")
+    assert after["0"] == before["0"] and after["1"] == before["1"] + 2 * MAX_TOKENS
+
+
 def test_one_launch_serves_on_while_its_prefill_replica_is_dead(disaggregated, tiny_llama_dir):
     server = disaggregated
     (engine,) = server.children_named("fleet-engine-dp0")
     engine.kill()
-    prompts = random_prompts(4, 512, seed=7, max_len=40)
+    prompts = [p for p in random_prompts(8, 512, seed=7, max_len=40) if len(p) >= 8][:4]
     with ThreadPoolExecutor(len(prompts)) as pool:
         texts = list(pool.map(lambda p: complete(server.url, p, stream=True), prompts))
     assert [t.strip("\ufffd") for t in texts] == expected(server, tiny_llama_dir, prompts)
