@@ -12,6 +12,7 @@ from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
 from fleet.config.model_files import default_model_path, hf_config_from_gguf
 from fleet.kernels.attention import AttentionMetadata
+from fleet.tests.engine.oracle import hf_model
 from fleet.workers.loader import gguf_to_hf_name, load_model, unpermute_qk_rows
 
 PROMPT = [1, 504, 3458, 282, 4235, 314, 1345, 30, 378, 2075, 28, 2640, 17, 4470, 4071, 4811, 314]
@@ -30,7 +31,6 @@ def test_logits_match_transformers(gguf_path: str) -> None:
     """A float32 prefill of more than 32 tokens multiplies exact float32
     tiles of the kept blocks: transformers' logits up to summation order.
     (Steps of fewer rows round the activations to Q8: the test below.)"""
-    from transformers import AutoModelForCausalLM
 
     hf_config = hf_config_from_gguf(gguf_path)
     model_config = ModelConfig(model=gguf_path, model_path=gguf_path, architecture=hf_config["architectures"][0],
@@ -43,9 +43,7 @@ def test_logits_match_transformers(gguf_path: str) -> None:
     hidden = ours(torch.tensor(prompt), torch.arange(num_tokens), kv_caches, meta)
     logits = ours.compute_logits(hidden)  # [T, vocab]
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
-    ).eval()
+    hf = hf_model(os.path.dirname(gguf_path), os.path.basename(gguf_path))
     expected = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
     assert logits[-1].argmax() == expected[-1].argmax()
