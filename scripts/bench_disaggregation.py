@@ -18,44 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 
 import httpx
 
+from fleet.frontend.launched_server import LaunchedServer
+
 BASE = ["--kv-cache-memory-bytes", "512M", "--max-model-len", "4096"]
 WORDS = "the of and to in is was for on that with as by at from his her this which are be an it had not".split()
-
-
-class Launch:
-    def __init__(self, args: list[str]):
-        command = [sys.executable, "-P", "-m", "fleet.frontend.cli", "launch", "--port", "0", *args]
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        self.url = ""
-        for line in self.proc.stdout:
-            self.log.append(line)
-            match = re.search(r"serving .* on (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                break
-        if not self.url:
-            raise RuntimeError("fleet launch did not start:\n" + "".join(self.log[-30:]))
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
 
 
 def stream(url: str, prompt: str, max_tokens: int) -> tuple[float | None, list[float]]:
@@ -144,7 +118,7 @@ def main() -> None:
     setups = {"2 ordinary replicas (--dp 2)": ["--dp", "2", "--data-parallel-routing", "least-loaded"],
               "disaggregated (--disaggregate prefill=1,decode=1)": ["--disaggregate", "prefill=1,decode=1"]}
     for name, flags in setups.items():
-        launch = Launch([*BASE, *flags, *extra])
+        launch = LaunchedServer([*BASE, *flags, *extra])
         try:
             stream(launch.url, "warm up", 4)
             result = run_workload(launch.url, args)

@@ -24,36 +24,21 @@ import asyncio
 import random
 import re
 import shlex
-import signal
-import subprocess
 import sys
-import threading
 import time
 
 import httpx
 
 from fleet.frontend.bench_serve import Prompt, RequestResult, find_model, percentile, send_request
+from fleet.frontend.launched_server import LaunchedServer
 
 VOCAB = range(1000, 40000)
 """Token ids drawn for prompts: ordinary tokens of the default model's vocabulary (not its specials)."""
 
 
-class Launch:
+class Launch(LaunchedServer):
     def __init__(self, routing: str, kv_cache: str, extra: list[str]):
-        command = [sys.executable, "-P", "-m", "fleet.frontend.cli", "launch", "--port", "0", "--dp", "2",
-                   "--kv-cache-memory-bytes", kv_cache, "--data-parallel-routing", routing, *extra]
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        self.url = ""
-        for line in self.proc.stdout:
-            self.log.append(line)
-            match = re.search(r"serving .* on (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                break
-        if not self.url:
-            raise RuntimeError("fleet launch did not start:\n" + "".join(self.log[-30:]))
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
+        super().__init__(["--dp", "2", "--kv-cache-memory-bytes", kv_cache, "--data-parallel-routing", routing, *extra])
         count = argparse.ArgumentParser(add_help=False)
         count.add_argument("--api-server-count", type=int, default=1)
         self.num_api_servers = count.parse_known_args(extra)[0].api_server_count
@@ -79,10 +64,6 @@ class Launch:
             key = match.group(1) + ("{" + ",".join(keep) + "}" if keep else "")
             samples[key] = samples.get(key, 0.0) + float(match.group(3))
         return samples
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
 
 
 def workload(args: argparse.Namespace) -> list[list[int]]:

@@ -22,9 +22,7 @@ import json
 import random
 import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +30,8 @@ from dataclasses import dataclass
 
 import httpx
 import psutil
+
+from fleet.frontend.launched_server import LaunchedServer
 
 LAUNCH = ["--dp", "2", "--kv-cache-memory-bytes", "256M", "--max-replica-restarts", "1000"]
 """A kill a minute for ten minutes is past the default budget (5 restarts in 10 minutes), which would end the job."""
@@ -47,21 +47,9 @@ class Outcome:
     error: str | None = None
 
 
-class Launch:
+class Launch(LaunchedServer):
     def __init__(self, extra: list[str]):
-        command = [sys.executable, "-P", "-m", "fleet.frontend.cli", "launch", "--port", "0", *LAUNCH, *extra]
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        self.url = ""
-        for line in self.proc.stdout:
-            self.log.append(line)
-            match = re.search(r"serving .* on (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                break
-        if not self.url:
-            raise RuntimeError("fleet launch did not start:\n" + "".join(self.log[-30:]))
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
+        super().__init__([*LAUNCH, *extra])
 
     def processes_of(self, dp_rank: int) -> list[psutil.Process]:
         """The engine core and workers of replica `dp_rank`."""
@@ -75,14 +63,6 @@ class Launch:
         except httpx.HTTPError:
             return False
         return all(replica["state"] == "up" for replica in body["replicas"])
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
 
 
 def client_loop(url: str, max_tokens: int, stop: threading.Event, outcomes: list[Outcome]) -> None:
