@@ -30,6 +30,7 @@ ALIASES: dict[str, list[str]] = {
     "data_parallel_external_lb": ["-dpe"],
     "data_parallel_backend": ["-dpb"],
     "enable_expert_parallel": ["-ep"],
+    "speculative_config": ["-sc"],
     "nnodes": ["-n"],
     "node_rank": ["-r"],
     "gpu_memory_utilization": ["--device-memory-utilization"],

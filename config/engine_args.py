@@ -28,6 +28,7 @@ from fleet.config.model import (
 from fleet.config.model_files import is_default_model, locate_model, read_generation_config, read_hf_config
 from fleet.config.parallel import ParallelConfig
 from fleet.config.scheduler import SchedulerConfig
+from fleet.config.speculative import SpeculativeConfig
 
 # Config classes whose user-facing fields EngineArgs flattens, in --help order.
 FLAT_GROUPS: dict[str, type] = {
@@ -40,7 +41,8 @@ FLAT_GROUPS: dict[str, type] = {
     "frontend": FrontendConfig,
 }
 # Config classes that EngineArgs holds whole, as one JSON-valued flag each.
-NESTED_GROUPS: dict[str, type] = {"compilation_config": CompilationConfig, "kv_transfer_config": KVTransferConfig}
+NESTED_GROUPS: dict[str, type] = {"compilation_config": CompilationConfig, "kv_transfer_config": KVTransferConfig,
+                                  "speculative_config": SpeculativeConfig}
 
 # Limits by device when the user sets none: CPU steps are slow, so smaller steps keep latency down.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
@@ -158,6 +160,7 @@ class EngineArgs:
     # compilation_config: one JSON-valued flag
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
     kv_transfer_config: KVTransferConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         # Python callers may write numbers as on the CLI: LLM(kv_cache_memory_bytes="2G").
@@ -203,6 +206,7 @@ class EngineArgs:
             frontend=frontend,
             compilation=self.compilation_config,
             kv_transfer=kv_transfer,
+            speculative=self.speculative_config and self.speculative_config.resolve(),
         )
 
     def _group(self, name: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
 from fleet.config.parallel import ParallelConfig
 from fleet.config.scheduler import SchedulerConfig
+from fleet.config.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class FleetConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     kv_transfer: KVTransferConfig | None = None
     """Prefill/decode disaggregation (--kv-transfer-config); None: no KV transfer."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (--speculative-config); None: one token per request and step."""
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

@@ -6,7 +6,7 @@ Each is one of:
   part fleet does not have, and what requests get is the same without it. It
   is accepted (with its value) and the launch logs one line saying why.
 - refused: honouring it would change what requests get or which API is
-  served (LoRA, speculative decoding, reasoning parsers, quantization
+  served (LoRA, draft-model speculative decoding, reasoning parsers, quantization
   methods, HTTPS, ...) and fleet cannot. The launch exits 2 naming the flag,
   its value and why. Values that ask for what fleet does anyway (`accepts`:
   `--kv-cache-dtype auto`), and the `--no-X` form of a refused switch, are
@@ -65,7 +65,8 @@ HTTPS = "fleet serves plain HTTP (put a TLS-terminating proxy in front)"
 HTTPS_DETAIL = "it only matters with --ssl-certfile, and fleet serves plain HTTP"
 CORS = "fleet sends no CORS headers: browsers may not call it from another origin"
 CORS_DETAIL = "it only matters with --allowed-origins, and fleet sends no CORS headers"
-SPECULATIVE = "fleet has no speculative decoding"
+SPECULATIVE = "fleet takes speculative decoding as --speculative-config '{\"method\": \"ngram\", ...}'"
+SPECULATIVE_METRICS = "fleet counts drafts and accepted tokens per engine in /metrics (fleet:spec_decode_*)"
 REASONING = "fleet has no reasoning parser: a model's reasoning stays in the message content"
 DISAGGREGATION = "fleet transfers KV (--kv-transfer-config), not encoder caches"
 SLEEP = "fleet has no sleep mode (/sleep, /wake_up)"
@@ -293,7 +294,7 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--otlp-traces-endpoint": refuse("value", NO_TRACES),
     "--override-generation-config": refuse(
         "value", "fleet takes sampling defaults from --generation-config only, without overrides"),
-    "--per-request-spec-decode-metrics": ignore("value", SPECULATIVE),
+    "--per-request-spec-decode-metrics": ignore("value", SPECULATIVE_METRICS),
     "--performance-mode": ignore("value", "fleet has one mode: --max-num-seqs and --max-num-batched-tokens tune it"),
     "--pooler-config": refuse("value", "fleet pools embeddings as --pooling-type says, L2-normalised"),
     "--prefill-context-parallel-size": refuse("value", CONTEXT_PARALLEL, accepts=("1",)),
@@ -334,7 +335,6 @@ VLLM_FLAGS: dict[str, VllmFlag] = {
     "--spec-model": refuse("value", SPECULATIVE),
     "--spec-tokens": refuse("value", SPECULATIVE),
     "--specialize-active-lora": refuse("switch", LORA),
-    "--speculative-config": refuse("value", SPECULATIVE),
     "--sse-keep-alive-interval": refuse("value", "fleet sends no SSE keep-alive comments", accepts=("0",)),
     "--ssl-ca-certs": ignore("value", HTTPS_DETAIL),
     "--ssl-cert-reqs": ignore("value", HTTPS_DETAIL),
@@ -384,7 +384,6 @@ SHORT_FLAGS: dict[str, str] = {
     "-dpm": "--data-parallel-multi-port-external-lb",
     "-pcp": "--prefill-context-parallel-size",
     "-q": "--quantization",
-    "-sc": "--speculative-config",
 }
 """vLLM's short forms of flags in VLLM_FLAGS (-O3, -O 3 and -O=3 all parse)."""
 

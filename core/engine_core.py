@@ -34,6 +34,7 @@ from fleet.core.messages import (
     ModelRunnerOutput,
     Ready,
     Shutdown,
+    SpecDecodeCounts,
     StepDecision,
     StepVote,
     UtilityCall,
@@ -56,7 +57,7 @@ ENGINE_BEAT_S = 0.5
 class EngineCore:
     """Owns the scheduler and the executor of one data-parallel replica."""
 
-    UTILITY_METHODS = ("health", "reset_prefix_cache", "kv_stats")
+    UTILITY_METHODS = ("health", "reset_prefix_cache", "kv_stats", "spec_decode_stats")
 
     def __init__(self, config: FleetConfig, plan: EngineCorePlan, facts: StartupFacts | None = None):
         from fleet.workers.executor import make_executor  # deferred: the executor picks what it imports
@@ -73,6 +74,7 @@ class EngineCore:
             eos_token_ids=config.model.eos_token_ids,
             sliding_window=config.model.sliding_window,
             kv_hold_timeout_s=config.kv_transfer.hold_timeout_s if config.kv_transfer else 120.0,
+            speculative=config.speculative,
         )
         self.kv_release_address: str | None = None
         """Producer: where decode instances say they took a request's KV (bound by the process)."""
@@ -204,7 +206,8 @@ class EngineCore:
         first, *others = sorted(grouped)
         grouped[first].scheduler_stats = stats
         occupancy = msgspec.structs.replace(stats, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
-                                              kv_transfer_tokens=0, kv_transfer_failures=0)
+                                              kv_transfer_tokens=0, kv_transfer_failures=0,
+                                              spec_decode=SpecDecodeCounts())
         for client in others:
             grouped[client].scheduler_stats = occupancy
 
@@ -223,6 +226,8 @@ class EngineCore:
         if method == "kv_stats":
             manager = self.scheduler.kv_cache_manager
             return {"num_free_blocks": manager.num_free_blocks, "num_blocks": manager.num_blocks}
+        if method == "spec_decode_stats":
+            return msgspec.structs.asdict(self.scheduler.spec_decode_totals)
         raise ValueError(f"unknown utility {method!r}; choose from {self.UTILITY_METHODS}")
 
     def shutdown(self) -> None:

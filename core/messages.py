@@ -118,6 +118,23 @@ class EngineCoreOutput(Struct):
     """On the last output of a do_remote_decode request: where a decode instance takes its prompt's KV."""
 
 
+class SpecDecodeCounts(Struct):
+    """Speculative decoding: requests that verified drafts, draft tokens, and those the model accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+
+    def minus(self, before: SpecDecodeCounts) -> SpecDecodeCounts:
+        return SpecDecodeCounts(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+                                self.num_accepted_tokens - before.num_accepted_tokens)
+
+
 class SchedulerStats(Struct):
     num_running: int = 0
     num_waiting: int = 0
@@ -133,6 +150,8 @@ class SchedulerStats(Struct):
     """Prompt tokens whose KV came from a prefill instance since the last stats."""
     kv_transfer_failures: int = 0
     """Transfers since the last stats that failed, so that the prompt was computed here."""
+    spec_decode: SpecDecodeCounts = msgspec.field(default_factory=SpecDecodeCounts)
+    """Speculative decoding since the last stats."""
 
 
 class EngineCoreOutputs(Struct, tag=True):
@@ -217,6 +236,9 @@ class SchedulerOutput(Struct, tag=True):
     """Prefill side: exports that end (pulled, or held too long): their blocks may be reused from this step on."""
     kv_loads: list[KVLoad] = []
     """Decode side: KV to pull from prefill instances before this step's forward."""
+    spec_token_ids: dict[str, list[int]] = {}
+    """Speculative decoding: draft tokens of requests, computed after their last token
+    (they count in num_scheduled_tokens) and kept as far as the model agrees."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -239,9 +261,10 @@ class ModelRunnerOutput(Struct, tag=True):
     step_id: int
     request_ids: list[str]
     """Requests that sampled a token this step (prefill chunks that end mid-prompt do not)."""
-    sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
-    """Aligned with request_ids; None where the request asked for none."""
+    sampled_token_ids: list[list[int]]
+    """Per request: the sampled token, or with drafts the accepted drafts and the token that followed them."""
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    """Aligned with request_ids and their tokens; None where the request asked for none."""
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
     """Per request, the prompt positions computed this step."""
     failed: dict[str, str] = {}

@@ -35,14 +35,22 @@ Fair share. A user request with n = 64 is 64 engine requests of one group
     big groups that keep growing and preempting each other must not lock a small one out.
 Under the priority policy, priority comes first everywhere: fair share never preempts
 a request of better priority than the waiting one, nor admits a worse one ahead of it.
+
+Speculative decoding (--speculative-config): a running request with one token left to
+compute may also compute draft tokens after it (core/ngram_proposer.py), which count in
+its num_scheduled_tokens and go to the workers in spec_token_ids. Only the drafts the
+model kept count as computed afterwards (update_from_output).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable
 
+import msgspec
+
 from fleet.config.cache import CacheConfig
 from fleet.config.scheduler import SchedulerConfig
+from fleet.config.speculative import SpeculativeConfig
 from fleet.core.kv_cache_manager import KVCacheManager
 from fleet.core.kv_transfer import KVExports, plan_load, remote_prefill
 from fleet.core.messages import (
@@ -51,8 +59,10 @@ from fleet.core.messages import (
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodeCounts,
     TokenLogprobs,
 )
+from fleet.core.ngram_proposer import NgramProposer
 from fleet.core.request import Request, RequestStatus
 from fleet.core.request_queue import FCFSQueue, PriorityQueue, priority_key
 from fleet.core.step_builder import SchedulerOutputBuilder, StepBudget
@@ -100,6 +110,7 @@ class Scheduler:
         eos_token_ids: Collection[int],
         sliding_window: int | None = None,
         kv_hold_timeout_s: float = 120.0,
+        speculative: SpeculativeConfig | None = None,
     ):
         _check_configs(scheduler_config, cache_config, max_model_len, num_blocks)
         self.max_num_batched_tokens: int = scheduler_config.max_num_batched_tokens
@@ -128,6 +139,10 @@ class Scheduler:
         self.kv_transfer_tokens = 0
         self.kv_transfer_failures = 0
         self._last_stats = (0, 0, 0, 0, 0)
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        """Speculative decoding: drafts for requests with one token left to compute."""
+        self.spec_decode_totals = SpecDecodeCounts()
+        self._last_spec_decode = SpecDecodeCounts()
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -239,11 +254,30 @@ class Scheduler:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
             assert num_new_tokens > 0, f"running {request} has nothing to compute"
+            if num_new_tokens == 1 and self._schedule_with_drafts(request, step):
+                index += 1
+                continue
             new_block_ids = self._allocate_or_preempt(index, num_new_tokens, step)
             if new_block_ids is not None:
                 step.add(request, num_new_tokens, new_block_ids)
                 index += 1
             # else it was preempted itself, and the next request moved up to `index`.
+
+    def _schedule_with_drafts(self, request: Request, step: StepBudget) -> bool:
+        """Speculative decoding: schedule the request's last token and draft tokens after it, if the
+        proposer has some and free blocks hold them (drafts never preempt anyone). False: not scheduled."""
+        if self.proposer is None or request.pooling is not None or request.sampling_params.structured_outputs:
+            return False  # a grammar's state moves token by token: constrained requests take no drafts
+        useful = min(step.token_budget, request.max_tokens - request.num_output_tokens,
+                     self.max_model_len - request.num_tokens) - 1  # the step also samples one token of its own
+        drafts = self.proposer.propose(request.all_token_ids, useful)
+        if not drafts:
+            return False
+        new_block_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))
+        if new_block_ids is None:
+            return False
+        step.add(request, 1 + len(drafts), new_block_ids, drafts)
+        return True
 
     def _allocate_or_preempt(self, index: int, num_new_tokens: int, step: StepBudget) -> list[int] | None:
         """Preempt until `running[index]` fits; None if it was preempted itself. Victims come from
@@ -364,7 +398,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran, or its KV load failed
-            request.advance(num_tokens)
+            num_drafts = len(scheduler_output.spec_token_ids.get(request_id, ()))
+            request.advance(num_tokens - num_drafts)  # the drafts' KV counts once they are accepted
             failure = runner_output.failed.get(request_id)
             embedding = runner_output.embeddings.get(request_id)
             if failure is not None:
@@ -375,7 +410,7 @@ class Scheduler:
                 output = self._output(request, [])
                 output.embedding = embedding
             else:
-                output = self._apply_sample(request, runner_output, sample_index.get(request_id))
+                output = self._apply_sample(request, runner_output, sample_index.get(request_id), num_drafts)
             self.kv_cache_manager.cache_full_blocks(request)
             if request.is_finished:
                 self._remove_running(request)
@@ -415,7 +450,7 @@ class Scheduler:
             self._output_builder.forget(request.request_id)
 
     def _apply_sample(
-        self, request: Request, runner_output: ModelRunnerOutput, index: int | None
+        self, request: Request, runner_output: ModelRunnerOutput, index: int | None, num_drafts: int
     ) -> EngineCoreOutput | None:
         prompt_logprobs = runner_output.prompt_logprobs.get(request.request_id)
         if prompt_logprobs:
@@ -423,9 +458,15 @@ class Scheduler:
         if index is None:
             return None  # a prefill chunk that ended mid-sequence
         assert request.num_computed_tokens == request.num_tokens, f"{request} sampled before its last token"
-        new_token_ids = request.append_output_token_ids(runner_output.sampled_token_ids[index])
+        sampled = runner_output.sampled_token_ids[index]
+        new_token_ids = request.append_output_token_ids(sampled)
+        if num_drafts:
+            # The accepted drafts' KV was computed this step; the token after them has none yet.
+            num_accepted = len(sampled) - 1
+            request.advance(min(len(new_token_ids), num_accepted))
+            self.spec_decode_totals.add(num_drafts, num_accepted)
         logprobs = runner_output.logprobs[index] if runner_output.logprobs is not None else None
-        return self._output(request, new_token_ids, None if logprobs is None else [logprobs])
+        return self._output(request, new_token_ids, None if logprobs is None else logprobs[: len(new_token_ids)])
 
     def _output(
         self, request: Request, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None = None
@@ -471,6 +512,8 @@ class Scheduler:
         queries, hits, preemptions, transfer_tokens, transfer_failures = (
             now - before for now, before in zip(totals, self._last_stats, strict=True))
         self._last_stats = totals
+        spec_decode = self.spec_decode_totals.minus(self._last_spec_decode)
+        self._last_spec_decode = msgspec.structs.replace(self.spec_decode_totals)
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -483,4 +526,5 @@ class Scheduler:
             step_counter=self.step_counter,
             kv_transfer_tokens=transfer_tokens,
             kv_transfer_failures=transfer_failures,
+            spec_decode=spec_decode,
         )

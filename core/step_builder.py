@@ -18,12 +18,16 @@ class StepBudget:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+    def add(self, request: Request, num_tokens: int, new_block_ids: list[int], drafts: list[int] | None = None) -> None:
+        """`num_tokens` counts the `drafts` (speculative decoding) computed after the request's tokens."""
         self.requests.append(request)
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.new_block_ids[request.request_id] = new_block_ids
         self.token_budget -= num_tokens
+        if drafts:
+            self.spec_token_ids[request.request_id] = drafts
 
 
 class SchedulerOutputBuilder:
@@ -77,6 +81,7 @@ class SchedulerOutputBuilder:
             num_scheduled_tokens=_decodes_first(step),
             finished_request_ids=finished_ids,
             kv_loads=step.kv_loads,
+            spec_token_ids=step.spec_token_ids,
         )
 
 

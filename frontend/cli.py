@@ -27,8 +27,8 @@ COMMANDS = {
 
 VLLM_FLAGS_EPILOG = (
     "vLLM's `vllm serve` flags parse too (and --max_model_len for --max-model-len): those fleet has no use for "
-    "are ignored, each with a line in the log saying why; those it cannot honour (LoRA, speculative decoding, "
-    "quantization methods, ...) are refused. The list and the reasons: fleet/config/vllm_flags.py."
+    "are ignored, each with a line in the log saying why; those it cannot honour (LoRA, draft-model speculative "
+    "decoding, quantization methods, ...) are refused. The list and the reasons: fleet/config/vllm_flags.py."
 )
 
 

@@ -32,6 +32,14 @@ class Metrics:
         self.preemptions = per_engine(Counter("fleet:num_preemptions", "Requests preempted for lack of KV blocks.", ["model_name", "engine"], registry=r))
         self.kv_transfer_tokens = per_engine(Counter("fleet:kv_transfer_tokens", "Prompt tokens whose KV came from a prefill instance (--kv-transfer-config).", ["model_name", "engine"], registry=r))
         self.kv_transfer_failures = per_engine(Counter("fleet:kv_transfer_failures", "KV transfers that failed, so that the prompt was computed here.", ["model_name", "engine"], registry=r))
+        def engine_counter(name: str, text: str):
+            return per_engine(Counter(name, text, ["model_name", "engine"], registry=r))
+
+        self.spec_drafts = engine_counter("fleet:spec_decode_num_drafts", "Requests' steps that verified draft "
+                                          "tokens (--speculative-config).")
+        self.spec_draft_tokens = engine_counter("fleet:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = engine_counter("fleet:spec_decode_num_accepted_tokens", "Draft tokens the model "
+                                                   "agreed with (output without a step of their own).")
         self.prompt_tokens = per_engine(Counter("fleet:prompt_tokens", "Prompt tokens received.", ["model_name", "engine"], registry=r))
         self.generation_tokens = per_engine(Counter("fleet:generation_tokens", "Tokens generated.", ["model_name", "engine"], registry=r))
         self.request_success = Counter("fleet:request_success", "Finished requests by finish reason.", ["model_name", "engine", "finished_reason"], registry=r)
@@ -88,6 +96,9 @@ class Metrics:
         self.preemptions(engine).inc(stats.num_preemptions)
         self.kv_transfer_tokens(engine).inc(stats.kv_transfer_tokens)
         self.kv_transfer_failures(engine).inc(stats.kv_transfer_failures)
+        self.spec_drafts(engine).inc(stats.spec_decode.num_drafts)
+        self.spec_draft_tokens(engine).inc(stats.spec_decode.num_draft_tokens)
+        self.spec_accepted_tokens(engine).inc(stats.spec_decode.num_accepted_tokens)
 
     def observe_finished(self, output: RequestOutput, params: SamplingParams, latency: float, engine: int) -> None:
         for sequence in output.outputs:

@@ -141,16 +141,20 @@ class RequestState:
         ended it (the engine must then be told to abort it)."""
         sequence = self.output.outputs[index]
         detokenizer = self.detokenizers[index]
-        sequence.token_ids.extend(engine_output.new_token_ids)
-        shown = engine_output.new_token_ids
+        new_token_ids = engine_output.new_token_ids
+        shown = new_token_ids
         if _stopped_by_token(engine_output) and not self.params.include_stop_str_in_output:
             shown = shown[:-1]  # the eos or stop token ends the text; it is not part of it
+        num_decoded = len(detokenizer.token_ids)
         stop_string = detokenizer.append(shown)
+        if stop_string is not None:  # tokens after the one completing it (one step's drafts) are not output
+            new_token_ids = new_token_ids[: len(detokenizer.token_ids) - num_decoded]
+        sequence.token_ids.extend(new_token_ids)
         sequence.text = detokenizer.text
         if engine_output.new_logprobs is not None and self.params.logprobs is not None:
-            new = [self._as_dict(lp) for lp in engine_output.new_logprobs]
+            new = [self._as_dict(lp) for lp in engine_output.new_logprobs[: len(new_token_ids)]]
             sequence.logprobs = (sequence.logprobs or []) + new
-            sampled = sum(entry[token].logprob for entry, token in zip(new, engine_output.new_token_ids, strict=True))
+            sampled = sum(entry[token].logprob for entry, token in zip(new, new_token_ids, strict=True))
             sequence.cumulative_logprob = (sequence.cumulative_logprob or 0.0) + sampled
         self._time(engine_output)
         if engine_output.prompt_logprobs is not None and index == 0:

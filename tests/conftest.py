@@ -18,6 +18,13 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_cycling_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama with its attention output scaled by 0.01: greedy text soon repeats itself."""
+    directory = tmp_path_factory.mktemp("tiny_cycling_llama")
+    return os.fspath(write_tiny_model(directory, "llama", seed=0, attention_output_scale=0.01))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Qwen2 with GQA, q/k/v biases and tied embeddings."""
     directory = tmp_path_factory.mktemp("tiny_qwen2")

@@ -58,8 +58,11 @@ def _corpus() -> list[str]:
 
 
 def write_tiny_model(directory: Path, model_type: str, seed: int, dtype: torch.dtype = torch.float32,
-                     **overrides) -> Path:
-    """Save a seeded random model of `model_type` in `dtype`."""
+                     attention_output_scale: float = 1.0, **overrides) -> Path:
+    """Save a seeded random model of `model_type` in `dtype`. attention_output_scale < 1 weakens what
+    attention adds to the residual stream: at 0.01 the next token depends mostly on the current one, so
+    greedy decoding soon cycles (a text that repeats, as speculative decoding's drafts need), yet
+    still on the context, so a wrong key or value still shows in the logits."""
     import transformers
 
     config_class, model_class = (getattr(transformers, name) for name in MODEL_CLASSES[model_type])
@@ -67,6 +70,10 @@ def write_tiny_model(directory: Path, model_type: str, seed: int, dtype: torch.d
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32).eval()
     _randomise_biases_and_norms(model, seed)
+    if attention_output_scale != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(attention_output_scale)
     model.to(dtype).save_pretrained(directory)
     write_tiny_tokenizer(directory)
     return directory

@@ -58,6 +58,8 @@ class StepBatch:
     attention: AttentionMetadata
     """Slots, block tables and lengths; decodes first, as the scheduler orders them."""
     requests: list[CachedRequestState]
+    drafts: list[list[int]]
+    """Per request, the draft tokens it computes after its own (speculative decoding), or []."""
 
 
 class CachedRequests:
@@ -104,9 +106,11 @@ class CachedRequests:
         query_lens = list(scheduler_output.num_scheduled_tokens.values())
         starts = [state.num_computed_tokens for state in requests]
         seq_lens = [start + n for start, n in zip(starts, query_lens)]
+        drafts = [scheduler_output.spec_token_ids.get(state.request_id, []) for state in requests]
         input_ids: list[int] = []
-        for state, start, stop in zip(requests, starts, seq_lens):
-            input_ids.extend(state.token_slice(start, stop))
+        for state, start, stop, request_drafts in zip(requests, starts, seq_lens, drafts):
+            input_ids.extend(state.token_slice(start, stop - len(request_drafts)))
+            input_ids.extend(request_drafts)
         attention = AttentionMetadata.build(
             query_lens, seq_lens, [state.block_ids for state in requests], self.block_size, self.device
         )
@@ -115,6 +119,7 @@ class CachedRequests:
             positions=self._to_device(token_positions(query_lens, seq_lens)),
             attention=attention,
             requests=requests,
+            drafts=drafts,
         )
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """One step on one worker: SchedulerOutput -> batch tensors -> forward -> sample."""
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 
@@ -13,7 +14,10 @@ from fleet.workers.compiled_decode import CompiledDecode
 from fleet.workers.input_batch import CachedRequests, CachedRequestState, StepBatch
 from fleet.workers.kv_transfer import WorkerKVTransfer
 from fleet.workers.sampler import SamplingRow, sample_isolating_failures, top_logprobs
+from fleet.workers.spec_decode import verify_drafts
 from fleet.workers.structured_output import Grammars
+
+logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,24 +94,52 @@ class ModelRunner:
             if not self.is_driver:
                 return None
             return ModelRunnerOutput(step_id, [], [], None, prompt_logprobs, embeddings=embeddings)
-        last_token_index = batch.attention.query_start_loc[1:][sampling].long() - 1
-        logits = self.model.compute_logits(hidden[last_token_index])  # collective over the TP group
+        # Each request's last position; with drafts, also the positions before it from its last token on.
+        ends = batch.attention.query_start_loc[1:].tolist()
+        num_rows = [1 + len(batch.drafts[i]) for i in sampling]
+        logit_rows = [row for i, n in zip(sampling, num_rows) for row in range(ends[i] - n, ends[i])]
+        logits = self.model.compute_logits(hidden[logit_rows])  # collective over the TP group
         if not self.is_driver:  # only the driver (tensor rank 0) received the logits
             return None
-        rows = [self._sampling_row(batch.requests[i]) for i in sampling]
-        sampled, logprobs, errors = sample_isolating_failures(logits, rows)
+        tokens, logprobs, errors = self._sample(batch, sampling, logits, num_rows)
         request_ids = [batch.requests[i].request_id for i in sampling]
-        sampled_rows = [i for i in range(len(rows)) if i not in errors]
+        sampled_rows = [i for i in range(len(sampling)) if i not in errors]
         row_logprobs = [logprobs[i] for i in sampled_rows]
         return ModelRunnerOutput(
             step_id=step_id,
             request_ids=[request_ids[i] for i in sampled_rows],
-            sampled_token_ids=[sampled[i] for i in sampled_rows],
+            sampled_token_ids=[tokens[i] for i in sampled_rows],
             logprobs=row_logprobs if any(lp is not None for lp in row_logprobs) else None,
             prompt_logprobs=prompt_logprobs,
             failed={request_ids[i]: error for i, error in errors.items()},
             embeddings=embeddings,
         )
+
+    def _sample(self, batch: StepBatch, sampling: list[int], logits: torch.Tensor, num_rows: list[int]
+                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None], dict[int, str]]:
+        """Per sampling request (index into `sampling`): its tokens, their logprobs, or why it failed.
+        Requests without drafts are sampled as one batch; each with drafts verifies them alone."""
+        rows = [self._sampling_row(batch.requests[i]) for i in sampling]
+        plain = [j for j, i in enumerate(sampling) if not batch.drafts[i]]
+        tokens: list[list[int]] = [[] for _ in sampling]
+        logprobs: list[list[TokenLogprobs] | None] = [None for _ in sampling]
+        errors: dict[int, str] = {}
+        by_request = logits.split(num_rows)
+        if plain:
+            plain_logits = logits if len(plain) == len(sampling) else torch.cat([by_request[j] for j in plain])
+            sampled, sampled_logprobs, plain_errors = sample_isolating_failures(plain_logits, [rows[j] for j in plain])
+            for position, j in enumerate(plain):
+                tokens[j] = [sampled[position]]
+                logprobs[j] = None if sampled_logprobs[position] is None else [sampled_logprobs[position]]
+            errors.update({plain[position]: error for position, error in plain_errors.items()})
+        for j, i in enumerate(sampling):
+            if batch.drafts[i]:
+                try:
+                    tokens[j], logprobs[j] = verify_drafts(by_request[j], rows[j], batch.drafts[i])
+                except Exception as error:  # noqa: BLE001 - the request fails, the worker serves on
+                    logger.exception("verifying the drafts of %s failed", batch.requests[i].request_id)
+                    errors[j] = f"sampling failed: {type(error).__name__}: {error}"
+        return tokens, logprobs, errors
 
     def _pool(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, list[float]]:
         """Embedding requests: the pooled, L2-normalised final hidden state of

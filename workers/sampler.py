@@ -36,8 +36,8 @@ class SamplingRow:
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [num_rows, vocab] float32. Returns sampled ids and, per row, its logprobs (or None)."""
     raw_logprobs = _raw_logprobs_if_needed(logits, rows)
-    logits = _process(logits, rows)
-    sampled = _draw(logits, rows)
+    logits = process(logits, rows)
+    sampled = draw(logits, rows)
     logprobs = [
         None if raw_logprobs is None or row.params.logprobs is None else top_logprobs(raw_logprobs[i], sampled[i], row.params.logprobs)
         for i, row in enumerate(rows)
@@ -90,7 +90,8 @@ def _raw_logprobs_if_needed(logits: torch.Tensor, rows: list[SamplingRow]) -> to
     return torch.log_softmax(logits, dim=-1)
 
 
-def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's logits as its parameters shape them (bias, masks, penalties, grammar, temperature, truncation)."""
     constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
     if constrained or any(row.params.logit_bias or _masks_stop_ids(row) or row.params.needs_penalties for row in rows):
         logits = logits.clone()
@@ -185,7 +186,7 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float], s
     return kept
 
 
-def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """Greedy rows take the argmax; the others invert their cumulative
     distribution at one uniform draw each, a seeded row's from its own
     generator so that its draw does not depend on the rest of the batch.

@@ -14,7 +14,7 @@ def default_of(field: dataclasses.Field):
 def test_engine_args_has_every_user_field_with_its_type_and_default_in_order():
     expected = [(f.name, f.type, default_of(f)) for cls in FLAT_GROUPS.values() for f in user_fields(cls)]
     # Off unless given: --kv-transfer-config (no KV transfer by default).
-    off_unless_given = {"kv_transfer_config"}
+    off_unless_given = {"kv_transfer_config", "speculative_config"}
     expected += [(name, f"{cls.__name__} | None", None) if name in off_unless_given else (name, cls.__name__, cls())
                  for name, cls in NESTED_GROUPS.items()]
     actual = [(f.name, f.type, default_of(f)) for f in dataclasses.fields(EngineArgs)]

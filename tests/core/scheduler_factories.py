@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from fleet.config.cache import CacheConfig
 from fleet.config.scheduler import SchedulerConfig
+from fleet.config.speculative import SpeculativeConfig
 from fleet.core.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from fleet.core.request import Request
 from fleet.core.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ def create_scheduler(
     num_blocks: int = 1000,
     max_model_len: int | None = None,
     eos_token_ids: tuple[int, ...] = (EOS_TOKEN_ID,),
+    speculative: SpeculativeConfig | None = None,
 ) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(
@@ -46,6 +48,7 @@ def create_scheduler(
         max_model_len=max_model_len if max_model_len is not None else min(num_blocks * block_size, 4096),
         num_blocks=num_blocks,
         eos_token_ids=eos_token_ids,
+        speculative=speculative,
     )
     CREATED_SCHEDULERS.append(scheduler)
     return scheduler
@@ -120,8 +123,8 @@ class FakeWorker:
             if self.num_computed[request_id] == len(self.tokens[request_id]):
                 token_id = self._sample(request_id)
                 request_ids.append(request_id)
-                sampled.append(token_id)
-                logprobs.append(TokenLogprobs([token_id], [-0.5], [1]))
+                sampled.append([token_id])
+                logprobs.append([TokenLogprobs([token_id], [-0.5], [1])])
         return ModelRunnerOutput(
             step_id=scheduled.step_id,
             request_ids=request_ids,
