@@ -1,7 +1,7 @@
 """This machine's limits, and how close a `fleet bench serve` run came to them (issue 27, point 2).
 
     python -P scripts/roofline.py                                   # the peaks only
-    fleet bench serve --max-concurrency 1 --result-json c1.json ...  # then
+    fleet bench serve --max-concurrency 1 --result-json c1.json ...  # (or vllm bench serve's JSON), then
     python -P scripts/roofline.py --result-json c1.json c32.json [--model PATH] [--dtype float32]
 
 Peaks, measured here with every core:
@@ -94,7 +94,10 @@ class ModelFacts:
 
 def report_run(result: dict, facts: ModelFacts, flops_peak: float, bytes_peak: float) -> list[str]:
     c = result.get("max_concurrency") or result["num_prompts"]
-    prompt, output = result["random_input_len"], result["random_output_len"]
+    # fleet bench serve writes the lengths asked for; vllm bench serve the totals sent and received.
+    done = result.get("completed") or result["num_prompts"]
+    prompt = result.get("random_input_len") or round(result["total_input_tokens"] / done)
+    output = result.get("random_output_len") or round(result["total_output_tokens"] / done)
     lines = [f"{result.get('label') or 'run'}: concurrency {c}, {prompt} in / {output} out, "
              f"{result['output_throughput']:.1f} output tok/s"]
     if c == 1:
@@ -112,7 +115,8 @@ def report_run(result: dict, facts: ModelFacts, flops_peak: float, bytes_peak: f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--result-json", nargs="*", default=[], help="`fleet bench serve --result-json` files")
+    parser.add_argument("--result-json", nargs="*", default=[],
+                        help="`fleet bench serve --result-json` or `vllm bench serve --save-result` files")
     parser.add_argument("--model", default=None, help="the model the runs served (default: the default GGUF)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="the dtype the runs used (default: what fleet launch picks on this CPU)")
