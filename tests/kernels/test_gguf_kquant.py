@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.kernels.quantized import KEPT_TYPES, GGUFWeight
+from fleet.kernels.quantized import BFLOAT16_GEMM_MIN_ROWS, KEPT_TYPES, GGUFWeight, quantized_linear
 
 TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -124,3 +124,17 @@ def test_slices_cut_whole_super_blocks_or_dequantize(kind):
     across = full[:, 384:640]
     assert isinstance(across, torch.Tensor) and torch.equal(across, weight[:, 384:640])
     assert not GGUFWeight(type_of(kind), blocks[:, :0], (8, 128)).is_kept  # not whole super-blocks
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_a_bfloat16_prefill_through_quantized_linear_is_the_rounded_weights_product(ops, kind):
+    """A step of BFLOAT16_GEMM_MIN_ROWS rows or more: the super-blocks dequantized to bfloat16 for
+    oneDNN's GEMM where the CPU computes bfloat16 natively, else the kernel; the same product."""
+    rows, out_features, in_features = BFLOAT16_GEMM_MIN_ROWS + 7, 45, 512
+    blocks, weight = quantized(kind, out_features, in_features)
+    blocks.gguf_type, blocks.gguf_shape = type_of(kind), (out_features, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(6)).bfloat16()
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(7)).bfloat16()
+    out = quantized_linear(x, blocks, bias)
+    expected = x.float() @ weight.bfloat16().float().T + bias.float()
+    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3)

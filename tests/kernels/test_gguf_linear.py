@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fleet.config.cpu_class import CpuClass, cpu_class
-from fleet.kernels.quantized import GGUFWeight
+from fleet.kernels.quantized import BFLOAT16_GEMM_MIN_ROWS, GGUFWeight, quantized_linear
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 Q8_ROWS = 32
@@ -159,3 +159,22 @@ def test_slices_cut_whole_blocks_or_dequantize(ops):
     assert torch.equal(columns.dequantize(torch.float32), weight[:, 64:128])
     across = full[:, 48:80]
     assert isinstance(across, torch.Tensor) and torch.equal(across, weight[:, 48:80])
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("rows", [BFLOAT16_GEMM_MIN_ROWS - 1, BFLOAT16_GEMM_MIN_ROWS, 300])
+def test_a_bfloat16_prefill_through_quantized_linear_is_near_the_float32_product(ops, kind, rows):
+    """From BFLOAT16_GEMM_MIN_ROWS rows on, where the CPU computes bfloat16 natively, the blocks are
+    dequantized to bfloat16 for oneDNN's GEMM instead of multiplied by the block kernel: as near."""
+    out_features, in_features = 100, 576
+    blocks, weight = quantized(kind, out_features, in_features)
+    gguf_type = int(gguf.GGMLQuantizationType[kind])
+    packed = ops.gguf_pack(blocks, gguf_type, in_features)
+    packed.gguf_type, packed.gguf_shape = gguf_type, (out_features, in_features)
+    x = torch.randn(rows, 1, in_features, generator=torch.Generator().manual_seed(5)).bfloat16()
+    bias = torch.randn(out_features).bfloat16()
+    out = quantized_linear(x, packed, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 1, out_features)
+    expected = x.float() @ weight.T + bias.float()
+    error = (out.float() - expected).abs().amax(dim=-1)
+    assert (error <= 0.02 * expected.abs().amax(dim=-1)).all(), error
