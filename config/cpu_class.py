@@ -148,6 +148,7 @@ def cpu_paths(model: ModelConfig) -> dict[str, Any]:
         "gguf_blocks": ("kept" if model.keeps_gguf_blocks("cpu") else "dequantized") if model.is_gguf else None,
         "bfloat16_decode_copy": model.keeps_bfloat16_decode_weights("cpu"),
         "prefill_weights_prepacked": model.prepacks_prefill_weights("cpu"),
+        "gguf_amx_gemm_copy": model.keeps_amx_gemm_copies("cpu") if model.is_gguf else None,
     }
 
 

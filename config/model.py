@@ -101,6 +101,15 @@ class ModelConfig:
         exact = self.dtype == "bfloat16" or (self.dtype == "float32" and from_bfloat16)
         return exact and device == "cpu" and cpu_has_avx512()
 
+    def keeps_amx_gemm_copies(self, device: str) -> bool:
+        """Whether a bfloat16 model's kept GGUF blocks also get a bfloat16 copy
+        in oneDNN's prepacked layout (kernels/linear.py), which steps of more
+        than AMX_BLOCK_ROWS rows multiply on AMX tiles: there the block kernel's
+        AVX512-BF16 loops are compute-bound from ~8 rows on (a 32-row step of
+        the default model's linears 111 ms against 43 ms), while the blocks stay
+        the faster read for fewer rows. Costs the model's bfloat16 bytes again."""
+        return self.keeps_gguf_blocks(device) and self.dtype == "bfloat16" and cpu_class() >= CpuClass.amx
+
     def prepacks_prefill_weights(self, device: str) -> bool:
         """Whether the linear weights are reordered once, at load, into
         oneDNN's layout for steps of many rows (kernels/linear.py): for a

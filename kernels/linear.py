@@ -13,7 +13,15 @@ and register tiling that beats the library GEMM's call at these sizes.
 Larger steps (prefill) stay with the library GEMM: MKL for float32, and
 for a bfloat16 model on a CPU with native bfloat16 oneDNN with the weight
 reordered once at load into its blocked layout (`prepack_prefill_weights`),
-which F.linear would do again on every call.
+which F.linear would do again on every call. On AMX, oneDNN's tiles beat the
+copy from a few rows on (AMX_DECODE_ROWS).
+
+A bfloat16 model whose weights stay in a GGUF file's blocks
+(kernels/quantized.py) multiplies them with the block kernel, which reads
+a quarter of bfloat16's bytes. On AMX each such linear layer also holds the
+blocks dequantized to bfloat16 in oneDNN's prepacked layout (`amx_weight`,
+`keep_amx_weights`), for steps of more than AMX_BLOCK_ROWS rows, where the
+block kernel's AVX512-BF16 loops are compute-bound and AMX tiles are not.
 """
 from __future__ import annotations
 
@@ -22,9 +30,9 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from fleet.config.cpu_class import cpu_computes_bfloat16
+from fleet.config.cpu_class import CpuClass, cpu_class, cpu_computes_bfloat16
 from fleet.kernels.cpu_extension import cpu_kernels
-from fleet.kernels.quantized import quantized_linear
+from fleet.kernels.quantized import dequantize_kept, quantized_linear
 
 PANEL = 32
 """Output features per panel of a packed weight (csrc/linear_bf16_weight_cpu.cpp)."""
@@ -37,19 +45,42 @@ bfloat16 linear 1.0-1.5x faster from 16 to 64 rows, 0.92-1.04x at 128;
 against float32 MKL 1.25-2.7x faster at 32 and 64 rows. (Runs of that
 noisy machine differed by up to 30 %; compare columns of one run.)"""
 
+AMX_DECODE_ROWS = 3
+"""Most rows the bfloat16 copy serves on AMX, where oneDNN's prepacked
+linear multiplies on tiles. SmolLM2's linears, a forward's worth, on 2
+Sapphire Rapids cores, copy against oneDNN: 1 row 20.6 / 26.9 ms, 2 rows
+22.8 / 24.7, 4 rows 27.5 / 25.7, 8 rows 30.7 / 24.0, 32 rows 84.0 / 30.4."""
+
+AMX_BLOCK_ROWS = 8
+"""Most rows the GGUF block kernel serves on AMX where a layer has its
+`amx_weight`. The default model's linears (Q4_1, the LM head Q8_0), a
+forward's worth, on 2 Sapphire Rapids cores, blocks against oneDNN on the
+bfloat16 copy: 1 row 9.9 / 28.3 ms, 4 rows 18.3 / 28.7, 8 rows 28.8 / 28.5,
+16 rows 53.1 / 30.4, 32 rows 111 / 43, 128 rows 364 / 62."""
 
 PREFILL_ROWS_HINT = 256
 """The step size oneDNN is told to choose the prepacked layout for."""
 
 
+def decode_rows() -> int:
+    """Most rows of a step that the bfloat16 copy serves on this CPU class."""
+    return AMX_DECODE_ROWS if cpu_class() >= CpuClass.amx else DECODE_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           decode_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] -> [..., out]: GGUF blocks through their dequantizing
-    kernel, the bfloat16 copy for a few rows, else oneDNN's linear for a
-    prepacked weight, else F.linear."""
+           decode_weight: torch.Tensor | None = None, amx_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] -> [..., out]: GGUF blocks through their kernel (or, for
+    many rows on AMX, their prepacked bfloat16 copy), the bfloat16 copy for a
+    few rows, else oneDNN's linear for a prepacked weight, else F.linear."""
+    # A compiled graph cannot call oneDNN on a prepacked (opaque) weight: it
+    # keeps to the blocks and the copy (workers/compiled_decode.py bounds its
+    # steps by DECODE_ROWS).
+    compiling = torch.compiler.is_compiling()
     if weight.dtype == torch.uint8:
+        if amx_weight is not None and x.numel() > AMX_BLOCK_ROWS * x.shape[-1] and not compiling:
+            return torch.ops.mkldnn._linear_pointwise(x, amx_weight, bias, "none", [], "")
         return quantized_linear(x, weight, bias)
-    if decode_weight is not None and x.dim() == 2 and x.shape[0] <= DECODE_ROWS:
+    if decode_weight is not None and x.dim() == 2 and (x.shape[0] <= decode_rows() or compiling):
         ops = cpu_kernels()
         if ops is not None:
             return ops.linear_bf16_weight(x.contiguous(), decode_weight, weight.shape[0], bias)
@@ -102,3 +133,21 @@ def prepack_prefill_weights(model: torch.nn.Module) -> int:
             )
             prepacked += 1
     return prepacked
+
+
+def keep_amx_weights(model: torch.nn.Module) -> int:
+    """Give every linear layer whose weight is kept GGUF blocks (a uint8
+    weight, and an `amx_weight` slot) those blocks dequantized to bfloat16, as
+    loading dequantized weights rounds them, in oneDNN's prepacked layout;
+    returns the bytes added (none in a torch without oneDNN). The blocks stay:
+    `linear` multiplies them for steps of few rows."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    added = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "amx_weight") and weight is not None and weight.dtype == torch.uint8:
+            dense = dequantize_kept(weight, torch.bfloat16)
+            module.amx_weight = torch.ops.mkldnn._reorder_linear_weight(dense, PREFILL_ROWS_HINT)
+            added += dense.nbytes
+    return added

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from fleet.config.cpu_class import cpu_computes_bfloat16
 from fleet.kernels.cpu_extension import cpu_kernels
 
 
@@ -126,28 +125,15 @@ def copy_weight(dst: torch.Tensor, src: Any) -> torch.Tensor:
     return src
 
 
-BFLOAT16_GEMM_MIN_ROWS = 128
-"""Steps of at least this many rows (prefills) multiply a kept weight dequantized to bfloat16
-through oneDNN when the activations are bfloat16 on a CPU that computes bfloat16 natively (AMX,
-AVX512-BF16), where the block kernel would dequantize panels into bfloat16 too but multiply them
-with its own AVX512-BF16 loops (no AMX tiles). On 2 Sapphire Rapids cores, a Q4_1
-3072 x 576 layer at 256 rows 5.3 -> 2.3 ms, at 1024 rows 21.5 -> 3.4 ms; below ~100 rows the
-dequantizing (1.8 ms for that layer) costs more than it saves."""
-
-
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] -> [..., N] for a kept weight: on a CPU its blocks packed in
     panels (gguf_linear) or, for a K-quant, the file's rows of super-blocks
-    (gguf_kquant_linear), or for a prefill in bfloat16 those dequantized into a
-    oneDNN GEMM; on CUDA the file's rows of blocks (Triton)."""
+    (gguf_kquant_linear); on CUDA the file's rows of blocks (Triton)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if weight.is_cuda:
         from fleet.kernels import triton_ops
 
         out = triton_ops.gguf_linear(rows, weight, weight.gguf_type, bias)
-    elif len(rows) >= BFLOAT16_GEMM_MIN_ROWS and rows.dtype == torch.bfloat16 and cpu_computes_bfloat16():
-        all_rows = torch.arange(weight.gguf_shape[0])
-        out = torch.nn.functional.linear(rows, _cpu_rows(weight, all_rows, torch.bfloat16), bias)
     elif weight.gguf_type in K_QUANTS:
         out = cpu_kernels().gguf_kquant_linear(rows, weight, weight.gguf_type, weight.gguf_shape[0], bias)
     else:
@@ -160,6 +146,11 @@ def quantized_embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dt
     if weight.is_cuda:
         return dequantize_rows(weight.index_select(0, ids), weight.gguf_type, weight.gguf_shape[1], dtype)
     return _cpu_rows(weight, ids.long(), dtype)
+
+
+def dequantize_kept(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole float weight [N, K] that a kept CPU weight stands for, in `dtype`."""
+    return _cpu_rows(weight, torch.arange(weight.gguf_shape[0]), dtype)
 
 
 def _cpu_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

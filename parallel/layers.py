@@ -61,6 +61,8 @@ class ColumnParallelLinear(nn.Module):
 
     decode_weight: torch.Tensor | None = None
     """An exact bfloat16 copy of `weight` for steps of few rows (kernels/linear.py), or None."""
+    amx_weight: torch.Tensor | None = None
+    """Kept GGUF blocks in bfloat16, prepacked for oneDNN, for steps of many rows on AMX (kernels/linear.py)."""
     keeps_gguf_blocks = True
     """`weight` may be a GGUF file's blocks (kernels/quantized.py): `linear` multiplies them."""
 
@@ -87,7 +89,7 @@ class ColumnParallelLinear(nn.Module):
         return [(0, rows, self.tp.rank * rows)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.decode_weight)  # [..., out / tp]
+        y = linear(x, self.weight, self.bias, self.decode_weight, self.amx_weight)  # [..., out / tp]
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -176,6 +178,8 @@ class RowParallelLinear(nn.Module):
 
     decode_weight: torch.Tensor | None = None
     """An exact bfloat16 copy of `weight` for steps of few rows (kernels/linear.py), or None."""
+    amx_weight: torch.Tensor | None = None
+    """Kept GGUF blocks in bfloat16, prepacked for oneDNN, for steps of many rows on AMX (kernels/linear.py)."""
     keeps_gguf_blocks = True
     """`weight` may be a GGUF file's blocks (kernels/quantized.py): `linear` multiplies them."""
 
@@ -194,8 +198,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self.decode_weight)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.decode_weight))  # [..., out]
+            return linear(x, self.weight, self.bias, self.decode_weight, self.amx_weight)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.decode_weight, self.amx_weight))  # [..., out]
         return y + self.bias if self.bias is not None else y
 
 
@@ -245,6 +249,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     decode_weight: torch.Tensor | None = None
     """An exact bfloat16 copy of `weight` for steps of few rows (kernels/linear.py), or None."""
+    amx_weight: torch.Tensor | None = None
+    """Kept GGUF blocks in bfloat16, prepacked for oneDNN, for steps of many rows on AMX (kernels/linear.py)."""
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -253,7 +259,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """hidden [N, dim] -> logits [N, vocab] on tensor rank 0, the one that
         samples; None on the other ranks (a gather, not an all-gather: the
         others never read them)."""
-        logits = linear(hidden, self.weight, None, self.decode_weight)  # [N, rows_per_rank]
+        logits = linear(hidden, self.weight, None, self.decode_weight, self.amx_weight)  # [N, rows_per_rank]
         if self.tp.size == 1:
             return logits
         gathered = self.tp.gather(logits, dst=0, dim=-1)

@@ -28,10 +28,11 @@ def log_cpu_paths(model: ModelConfig) -> None:
     paths = cpu_paths(model)
     logger.info(
         "CPU class %s (chosen by %s; the machine is %s), torch capability %s, bfloat16 %s, kernels %s, "
-        "GGUF blocks %s, bfloat16 decode copy %s, prefill weights prepacked %s",
+        "GGUF blocks %s (AMX GEMM copy %s), bfloat16 decode copy %s, prefill weights prepacked %s",
         paths["class"], paths["chosen_by"], paths["machine_class"], torch.backends.cpu.get_cpu_capability(),
         paths["bfloat16"], " ".join(paths["kernel_flags"]), paths["gguf_blocks"] or "n/a",
-        _yes(paths["bfloat16_decode_copy"]), _yes(paths["prefill_weights_prepacked"]),
+        _yes(paths["gguf_amx_gemm_copy"]), _yes(paths["bfloat16_decode_copy"]),
+        _yes(paths["prefill_weights_prepacked"]),
     )
 
 

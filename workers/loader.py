@@ -19,7 +19,7 @@ from torch import nn
 from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
 from fleet.config.model_files import hf_config_from_gguf
-from fleet.kernels.linear import keep_bfloat16_decode_weights, prepack_prefill_weights
+from fleet.kernels.linear import keep_amx_weights, keep_bfloat16_decode_weights, prepack_prefill_weights
 from fleet.kernels.quantized import GGUFWeight, keep_quantized, pack_kept_weights
 from fleet.workers.gguf_file import GGUFTensor, read_gguf_tensors
 from fleet.workers.models.registry import get_model_class
@@ -79,6 +79,8 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, dtype: torch.
         keep_bfloat16_decode_weights(model)
     if model_config.prepacks_prefill_weights(device_type):
         prepack_prefill_weights(model)
+    if model_config.keeps_amx_gemm_copies(device_type):
+        keep_amx_weights(model)
     return model.eval()
 
 

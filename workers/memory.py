@@ -278,10 +278,13 @@ def worker_weight_bytes(config: FleetConfig) -> int:
     count = layer * _layers_per_stage(config) + embedding
     if config.model.keeps_gguf_blocks(config.device.device):
         # Kept in the file's blocks (kernels/quantized.py): the file's bytes per
-        # weight, no bfloat16 copy. (A type the kernel cannot multiply is
-        # dequantized at load, which this undercounts.)
+        # weight, and on AMX a bfloat16 copy for large steps, no decode copy. (A
+        # type the kernel cannot multiply is dequantized at load, which this undercounts.)
         whole = tp * (layer * shape.layers) + vocab_tables * shape.vocab * shape.hidden
-        return int(count * os.path.getsize(config.model.model_path) / whole)
+        blocks = int(count * os.path.getsize(config.model.model_path) / whole)
+        if config.model.keeps_amx_gemm_copies(config.device.device):
+            return blocks + int(count * DTYPE_BYTES["bfloat16"])  # their bfloat16 copy (kernels/linear.py)
+        return blocks
     weights = count * DTYPE_BYTES[config.model.dtype]
     if config.model.keeps_bfloat16_decode_weights(config.device.device):
         # The bfloat16 copy for decode steps (kernels/linear.py): at most half

@@ -67,14 +67,15 @@ def test_the_override_lowers_the_class_and_every_decision(machine):
 
 def test_dispatch_follows_the_class(machine):
     gguf = ModelConfig(model_path="m.gguf", dtype="bfloat16", hf_config={"dtype": "bfloat16"})
-    for isa, decode_copy, prepacked, blocks in [
-        ("amx", True, True, "kept"), ("avx512_bf16", True, True, "kept"), ("avx512", True, False, "kept"),
-        ("avx2", False, False, "kept"), ("baseline", False, False, "dequantized"),
+    for isa, decode_copy, prepacked, blocks, amx_copy in [
+        ("amx", True, True, "kept", True), ("avx512_bf16", True, True, "kept", False),
+        ("avx512", True, False, "kept", False), ("avx2", False, False, "kept", False),
+        ("baseline", False, False, "dequantized", False),
     ]:
         machine(SAPPHIRE_RAPIDS, isa)
         paths = cc.cpu_paths(gguf)
         assert paths["class"] == isa and paths["bfloat16"] == ("native" if prepacked else "emulated")
-        assert paths["gguf_blocks"] == blocks
+        assert paths["gguf_blocks"] == blocks and paths["gguf_amx_gemm_copy"] == amx_copy, isa
         assert (paths["bfloat16_decode_copy"], paths["prefill_weights_prepacked"]) == (decode_copy, prepacked), isa
 
 

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.kernels.quantized import BFLOAT16_GEMM_MIN_ROWS, KEPT_TYPES, GGUFWeight, quantized_linear
+from fleet.config.cpu_class import cpu_computes_bfloat16
+from fleet.kernels.linear import AMX_BLOCK_ROWS, keep_amx_weights, linear
+from fleet.kernels.quantized import KEPT_TYPES, GGUFWeight, quantized_linear
 
 TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -126,15 +128,21 @@ def test_slices_cut_whole_super_blocks_or_dequantize(kind):
     assert not GGUFWeight(type_of(kind), blocks[:, :0], (8, 128)).is_kept  # not whole super-blocks
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not cpu_computes_bfloat16(),
+                    reason="oneDNN prepacks bfloat16 only on a CPU class with native bfloat16")
 @pytest.mark.parametrize("kind", TYPES)
-def test_a_bfloat16_prefill_through_quantized_linear_is_the_rounded_weights_product(ops, kind):
-    """A step of BFLOAT16_GEMM_MIN_ROWS rows or more: the super-blocks dequantized to bfloat16 for
-    oneDNN's GEMM where the CPU computes bfloat16 natively, else the kernel; the same product."""
-    rows, out_features, in_features = BFLOAT16_GEMM_MIN_ROWS + 7, 45, 512
+def test_the_amx_copy_of_super_blocks_is_the_rounded_weights(ops, kind):
+    """keep_amx_weights dequantizes a layer's super-blocks to bfloat16 for oneDNN: steps of more
+    than AMX_BLOCK_ROWS rows get the rounded weights' product."""
+    rows, out_features, in_features = AMX_BLOCK_ROWS + 7, 45, 512
     blocks, weight = quantized(kind, out_features, in_features)
     blocks.gguf_type, blocks.gguf_shape = type_of(kind), (out_features, in_features)
+    layer = torch.nn.Module()
+    layer.weight, layer.amx_weight = torch.nn.Parameter(blocks, requires_grad=False), None
+    layer.weight.gguf_type, layer.weight.gguf_shape = blocks.gguf_type, blocks.gguf_shape
+    assert keep_amx_weights(layer) == out_features * in_features * 2
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(6)).bfloat16()
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(7)).bfloat16()
-    out = quantized_linear(x, blocks, bias)
+    out = linear(x, layer.weight, bias, None, layer.amx_weight)
     expected = x.float() @ weight.bfloat16().float().T + bias.float()
     torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3)

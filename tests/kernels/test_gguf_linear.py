@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.config.cpu_class import CpuClass, cpu_class
-from fleet.kernels.quantized import BFLOAT16_GEMM_MIN_ROWS, GGUFWeight, quantized_linear
+from fleet.config.cpu_class import CpuClass, cpu_class, cpu_computes_bfloat16
+from fleet.kernels.linear import AMX_BLOCK_ROWS, keep_amx_weights, linear
+from fleet.kernels.quantized import GGUFWeight, quantized_linear
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 Q8_ROWS = 32
@@ -161,20 +162,37 @@ def test_slices_cut_whole_blocks_or_dequantize(ops):
     assert isinstance(across, torch.Tensor) and torch.equal(across, weight[:, 48:80])
 
 
+class KeptLayer(torch.nn.Module):
+    """A linear layer whose weight is kept blocks, with the slot for their AMX copy (parallel/layers.py)."""
+
+    amx_weight = None
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight.gguf_type, self.weight.gguf_shape = weight.gguf_type, weight.gguf_shape
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not cpu_computes_bfloat16(),
+                    reason="oneDNN prepacks bfloat16 only on a CPU class with native bfloat16")
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("rows", [BFLOAT16_GEMM_MIN_ROWS - 1, BFLOAT16_GEMM_MIN_ROWS, 300])
-def test_a_bfloat16_prefill_through_quantized_linear_is_near_the_float32_product(ops, kind, rows):
-    """From BFLOAT16_GEMM_MIN_ROWS rows on, where the CPU computes bfloat16 natively, the blocks are
-    dequantized to bfloat16 for oneDNN's GEMM instead of multiplied by the block kernel: as near."""
+def test_the_amx_copy_serves_steps_of_many_rows_and_the_blocks_the_rest(ops, kind):
+    """keep_amx_weights gives a kept layer its blocks in bfloat16, prepacked: steps of more than
+    AMX_BLOCK_ROWS rows multiply that (the rounded weights' product), fewer the blocks, as before."""
     out_features, in_features = 100, 576
     blocks, weight = quantized(kind, out_features, in_features)
     gguf_type = int(gguf.GGMLQuantizationType[kind])
     packed = ops.gguf_pack(blocks, gguf_type, in_features)
     packed.gguf_type, packed.gguf_shape = gguf_type, (out_features, in_features)
-    x = torch.randn(rows, 1, in_features, generator=torch.Generator().manual_seed(5)).bfloat16()
+    layer = KeptLayer(packed)
+    assert keep_amx_weights(torch.nn.Sequential(layer, torch.nn.Linear(4, 4))) == out_features * in_features * 2
+    assert layer.amx_weight.is_mkldnn and layer.weight.dtype == torch.uint8  # the blocks stay
     bias = torch.randn(out_features).bfloat16()
-    out = quantized_linear(x, packed, bias)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, 1, out_features)
-    expected = x.float() @ weight.T + bias.float()
-    error = (out.float() - expected).abs().amax(dim=-1)
-    assert (error <= 0.02 * expected.abs().amax(dim=-1)).all(), error
+    for rows in (AMX_BLOCK_ROWS + 1, 300):
+        x = torch.randn(rows, 1, in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        out = linear(x, layer.weight, bias, None, layer.amx_weight)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 1, out_features)
+        expected = x.float() @ weight.bfloat16().float().T + bias.float()
+        torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3)
+    few = torch.randn(AMX_BLOCK_ROWS, in_features).bfloat16()
+    assert torch.equal(linear(few, layer.weight, bias, None, layer.amx_weight), quantized_linear(few, packed, bias))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fleet.config.cpu_class import cpu_computes_bfloat16
 from fleet.kernels.linear import (
-    DECODE_ROWS,
+    decode_rows,
     PANEL,
     keep_bfloat16_decode_weights,
     linear,
@@ -75,7 +75,7 @@ def test_kernel_rejects_what_it_does_not_compute(ops):
 def test_linear_uses_the_copy_for_few_rows_only(ops, dtype):
     weight = bf16_exact(48, 32, seed=2).to(dtype)
     copy = pack_bfloat16(weight)
-    few, many = torch.randn(DECODE_ROWS, 32, dtype=dtype), torch.randn(DECODE_ROWS + 1, 32, dtype=dtype)
+    few, many = torch.randn(decode_rows(), 32, dtype=dtype), torch.randn(decode_rows() + 1, 32, dtype=dtype)
     expected = ops.linear_bf16_weight(few, copy, 48, None)
     torch.testing.assert_close(linear(few, weight, None, copy), expected, rtol=0, atol=0)
     torch.testing.assert_close(linear(many, weight, None, copy), F.linear(many, weight), rtol=0, atol=0)
@@ -127,7 +127,7 @@ def test_prepacked_weights_serve_steps_of_many_rows_and_shared_weights_stay_plai
     assert model[0].weight.is_mkldnn and model[0].weight.shape == plain.shape
     assert not model[2].weight.is_mkldnn  # the embedding's: F.embedding needs it plain
     bias = torch.randn(48).bfloat16()
-    for rows in (DECODE_ROWS + 1, 300):
+    for rows in (decode_rows() + 1, 300):
         x = torch.randn(rows, 32, dtype=torch.bfloat16)
         got = linear(x, model[0].weight, bias, model[0].decode_weight)
         torch.testing.assert_close(got, F.linear(x, plain, bias), rtol=2**-8, atol=1e-3)
@@ -145,6 +145,6 @@ def test_below_native_bfloat16_weights_stay_plain_and_serve(ops):
     keep_bfloat16_decode_weights(model)
     assert prepack_prefill_weights(model) == 0
     assert not any(layer.weight.is_mkldnn for layer in model)
-    x = torch.randn(DECODE_ROWS + 1, 32, dtype=torch.bfloat16)
+    x = torch.randn(decode_rows() + 1, 32, dtype=torch.bfloat16)
     torch.testing.assert_close(linear(x, model[0].weight, None, model[0].decode_weight), F.linear(x, plain),
                                rtol=0, atol=0)

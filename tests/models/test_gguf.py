@@ -126,13 +126,18 @@ def _kept_model(gguf_path: str, dtype: torch.dtype):
     """The default model as fleet loads it on this CPU class: Q4_1 layers and
     the Q8_0 embedding / LM head in the file's blocks, about the file's bytes."""
     hf_config = hf_config_from_gguf(gguf_path)
-    if not ModelConfig(model=gguf_path, model_path=gguf_path, hf_config=hf_config,
-                       dtype=str(dtype).removeprefix("torch.")).keeps_gguf_blocks("cpu"):
+    model_config = ModelConfig(model=gguf_path, model_path=gguf_path, hf_config=hf_config,
+                               dtype=str(dtype).removeprefix("torch."))
+    if not model_config.keeps_gguf_blocks("cpu"):
         pytest.skip("GGUF blocks stay quantized only on a CPU of class avx2 or above")
     kept = _model(gguf_path, dtype, True)
     assert sum(p.dtype == torch.uint8 for p in kept.parameters()) == 4 * kept.spec.num_layers + 1
     assert sum(p.nbytes for p in kept.parameters()) < 1.05 * os.path.getsize(gguf_path)
     assert all(getattr(m, "decode_weight", None) is None for m in kept.modules())
+    # On AMX a bfloat16 model's layers also hold their blocks in bfloat16 for steps of many rows (the prefill here).
+    amx_copies = [m.amx_weight is not None for m in kept.modules() if hasattr(m, "amx_weight")]
+    assert len(amx_copies) == 4 * kept.spec.num_layers + 1
+    assert set(amx_copies) == {model_config.keeps_amx_gemm_copies("cpu")}
     return kept
 
 
