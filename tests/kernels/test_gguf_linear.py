@@ -188,7 +188,7 @@ def test_the_amx_copy_serves_steps_of_many_rows_and_the_blocks_the_rest(ops, kin
     assert keep_amx_weights(torch.nn.Sequential(layer, torch.nn.Linear(4, 4))) == out_features * in_features * 2
     assert layer.amx_weight.is_mkldnn and layer.weight.dtype == torch.uint8  # the blocks stay
     bias = torch.randn(out_features).bfloat16()
-    for rows in (AMX_BLOCK_ROWS + 1, 300):
+    for rows in (AMX_BLOCK_ROWS + 1, 24, 300):  # 24: padded to 33 rows for oneDNN (ONEDNN_SLOW_ROWS)
         x = torch.randn(rows, 1, in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
         out = linear(x, layer.weight, bias, None, layer.amx_weight)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, 1, out_features)
