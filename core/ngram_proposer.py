@@ -16,7 +16,7 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+    def propose(self, token_ids: np.ndarray | list[int], max_drafts: int) -> list[int]:
         """Up to min(num_speculative_tokens, max_drafts) tokens to follow `token_ids`; [] when no
         suffix of min_n to max_n tokens occurred earlier. The longest suffix that did wins, at its
         latest occurrence; a continuation that reaches the end goes on as the text repeated itself

@@ -12,6 +12,8 @@ import time
 from array import array
 from collections.abc import Collection
 
+import numpy as np
+
 from fleet.core.messages import EngineCoreRequest, KVTransferParams, TokenLogprobs
 from fleet.core.sampling_params import SamplingParams
 
@@ -93,6 +95,9 @@ class Request:
         self.num_prompt_tokens: int = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self._token_buffer = np.empty(0, dtype=np.int64)
+        """The first `_token_buffer_filled` of all_token_ids as numpy (all_token_array)."""
+        self._token_buffer_filled = 0
         max_tokens = self.sampling_params.max_tokens
         self.max_tokens: int = max_tokens if max_tokens is not None else max_model_len
 
@@ -121,6 +126,19 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt then outputs. Do not mutate."""
         return self._all_token_ids
+
+    def all_token_array(self) -> np.ndarray:
+        """all_token_ids as int64 numpy (the ngram proposer's input), without
+        converting the whole list every step: a view of a buffer that grows by
+        doubling and takes the tokens appended since the last call. Do not mutate."""
+        count, filled = len(self._all_token_ids), self._token_buffer_filled
+        if len(self._token_buffer) < count:
+            grown = np.empty(2 * count, dtype=np.int64)
+            grown[:filled] = self._token_buffer[:filled]
+            self._token_buffer = grown
+        self._token_buffer[filled:count] = self._all_token_ids[filled:count]
+        self._token_buffer_filled = count
+        return self._token_buffer[:count]
 
     @property
     def num_tokens(self) -> int:

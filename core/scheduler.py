@@ -270,7 +270,7 @@ class Scheduler:
             return False  # a grammar's state moves token by token: constrained requests take no drafts
         useful = min(step.token_budget, request.max_tokens - request.num_output_tokens,
                      self.max_model_len - request.num_tokens) - 1  # the step also samples one token of its own
-        drafts = self.proposer.propose(request.all_token_ids, useful)
+        drafts = self.proposer.propose(request.all_token_array(), useful)
         if not drafts:
             return False
         new_block_ids = self.kv_cache_manager.allocate_slots(request, 1 + len(drafts))

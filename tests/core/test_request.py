@@ -29,6 +29,15 @@ def test_counts():
     assert request.all_token_ids == request.prompt_token_ids + [5, 6]
 
 
+def test_token_array_follows_the_tokens_as_they_grow():
+    request = make_request(num_tokens=10, max_model_len=1000, max_tokens=500)
+    assert request.all_token_array().tolist() == request.all_token_ids
+    for step in range(40):  # past the buffer's first size, and growing again
+        request.append_output_token_ids([100 + step, 200 + step][: 1 + step % 2])
+        assert request.all_token_array().tolist() == request.all_token_ids
+    assert request.all_token_array().dtype.name == "int64"
+
+
 def test_eos_stops():
     request = make_request()
     request.append_output_token_ids(5)
