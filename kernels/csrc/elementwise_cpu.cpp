@@ -1,7 +1,8 @@
 // Fused elementwise kernels for the CPU: RMSNorm, residual add + RMSNorm, and
 // SwiGLU's silu(gate) * up. Each row is read once and written once, in
 // parallel over rows (at::parallel_for), 16 lanes at a time with AVX-512 where
-// the compiler targets it (-march=native), plain loops otherwise.
+// the compiler targets it (the CPU class's -march), else 8 at a time with AVX2
+// + FMA, else plain loops.
 //
 // Numerics follow the torch-native versions (kernels/rmsnorm.py,
 // kernels/activation.py) step by step, including their roundings to the input
@@ -34,6 +35,10 @@
 #include "simd_convert.h"
 #include "simd_exp.h"
 #define FLEET_EW_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "simd_avx2.h"
+#include "simd_exp.h"
+#define FLEET_EW_AVX2 1
 #endif
 
 namespace {
@@ -96,6 +101,59 @@ void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t I) {
     const __m512 d = _mm512_add_ps(one, fleet_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
     const __m512 s = round_to<T>(_mm512_div_ps(g, d));
     store16(out + c, _mm512_mul_ps(s, load16(up + c, m)), m);
+  }
+}
+
+#elif FLEET_EW_AVX2  // ---- AVX2: the AVX-512 code above, 8 lanes at a time ------------------
+// A row's tail (under 8 elements) is loaded zero-padded and stored partially: load8/store8 with the count left.
+
+template <typename T>
+FLEET_EW_INLINE void scale_row(T* out, const T* x, const T* w, float inv, int64_t D) {
+  const __m256 s = _mm256_set1_ps(inv);
+  for (int64_t c = 0; c < D; c += 8) {
+    __m256 n = round_to<T>(_mm256_mul_ps(load8(x + c, D - c), s));
+    store8(out + c, _mm256_mul_ps(load8(w + c, D - c), n), D - c);
+  }
+}
+
+template <typename T>
+void rms_norm_row(T* out, const T* x, const T* w, float eps, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= D; c += 16) {
+    __m256 v0 = load8(x + c), v1 = load8(x + c + 8);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  }
+  for (; c < D; c += 8) {
+    __m256 v = load8(x + c, D - c);
+    a0 = _mm256_fmadd_ps(v, v, a0);
+  }
+  const float ss = reduce_add8(_mm256_add_ps(a0, a1));
+  scale_row(out, x, w, 1.0f / std::sqrt(ss / static_cast<float>(D) + eps), D);
+}
+
+template <typename T>
+void add_rms_norm_row(T* out, T* res_out, const T* x, const T* res, const T* w, float eps, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) {
+    __m256 v = round_to<T>(_mm256_add_ps(load8(x + c, D - c), load8(res + c, D - c)));
+    store8(res_out + c, v, D - c);
+    a0 = _mm256_fmadd_ps(v, v, a0);
+  }
+  const float ss = reduce_add8(a0);
+  scale_row(out, res_out, w, 1.0f / std::sqrt(ss / static_cast<float>(D) + eps), D);
+}
+
+template <typename T>
+void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t I) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t c = 0; c < I; c += 8) {
+    __m256 g = load8(gate + c, I - c);
+    // A true divide, as in the AVX-512 version.
+    const __m256 d = _mm256_add_ps(one, fleet_exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+    const __m256 s = round_to<T>(_mm256_div_ps(g, d));
+    store8(out + c, _mm256_mul_ps(s, load8(up + c, I - c)), I - c);
   }
 }
 

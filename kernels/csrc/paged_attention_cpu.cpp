@@ -24,7 +24,9 @@
 //
 // dtypes: bfloat16, float16, float32 (query and cache alike); head_dim a
 // multiple of 16 up to 256; any block_size. AVX-512 intrinsics where the
-// compiler targets it (-march=native), plain loops otherwise.
+// compiler targets it (the CPU class's -march), else AVX2 + FMA ones for the
+// per-row path (8 lanes: same structure, register tiles sized for 16 ymm
+// registers), else plain loops.
 //
 // Registered as the op torch.ops.fleet_cpu.paged_attention; only the op
 // registration headers are included (not torch/extension.h, pybind11 and the
@@ -47,6 +49,10 @@
 #include <immintrin.h>
 #include "simd_exp.h"
 #define FLEET_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "simd_avx2.h"
+#include "simd_exp.h"
+#define FLEET_AVX2 1
 #endif
 
 #include "paged_attention_cpu.h"
@@ -163,7 +169,63 @@ FLEET_INLINE void add_values(float* acc, const float* p, const T* const* rows, i
     default: break;
   }
 }
-#endif  // FLEET_AVX512
+
+#elif FLEET_AVX2
+// ---- AVX2 ----------------------------------------------------------------------
+
+// Lane j = sum of v[j]'s 8 lanes: pairwise horizontal adds within each
+// 128-bit half, then the halves added.
+FLEET_INLINE __m256 hsum8(const __m256* v) {
+  const __m256 x0 = _mm256_hadd_ps(v[0], v[1]), x1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 x2 = _mm256_hadd_ps(v[4], v[5]), x3 = _mm256_hadd_ps(v[6], v[7]);
+  // Per half: [v0, v1, v2, v3] and [v4, v5, v6, v7], each summed over that half's 4 lanes.
+  const __m256 y0 = _mm256_hadd_ps(x0, x1), y1 = _mm256_hadd_ps(x2, x3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(y0, y1, 0x20), _mm256_permute2f128_ps(y0, y1, 0x31));
+}
+
+// q . k_j for 8 key rows; q is fp32. 8 independent accumulators, as dots16's 16.
+template <typename T>
+FLEET_INLINE __m256 dots8(const float* q, const T* const* rows, int64_t D) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), load8(rows[j]));
+    for (int64_t c = 8; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8(rows[j] + c), a);
+    acc[j] = a;
+  }
+  return hsum8(acc);
+}
+
+// acc[g][c0, c0 + 8 NC) += sum_j p[g][j] * v_j[c0, c0 + 8 NC) for NG heads,
+// the NG x NC accumulators in registers across the tile as in the AVX-512
+// add_values. With NG <= 3 and NC <= 4 they, NG weights and a value fit the
+// 16 ymm registers.
+template <int NG, int NC, typename T>
+FLEET_INLINE void add_values(float* acc, const float* p, const T* const* rows, int64_t n, int64_t D, int64_t c0) {
+  __m256 a[NG][NC];
+  for (int g = 0; g < NG; ++g) {
+    for (int c = 0; c < NC; ++c) a[g][c] = _mm256_loadu_ps(acc + g * D + c0 + 8 * c);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 w[NG];
+    for (int g = 0; g < NG; ++g) w[g] = _mm256_set1_ps(p[g * kTile + j]);
+    for (int c = 0; c < NC; ++c) {
+      const __m256 v = load8(rows[j] + c0 + 8 * c);
+      for (int g = 0; g < NG; ++g) a[g][c] = _mm256_fmadd_ps(w[g], v, a[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc + g * D + c0 + 8 * c, a[g][c]);
+  }
+}
+
+// add_values over all of head_dim (a multiple of 16): 32 dims (4 x 8) at a time, then 16 if left.
+template <int NG, typename T>
+FLEET_INLINE void add_values(float* acc, const float* p, const T* const* rows, int64_t n, int64_t D) {
+  int64_t c0 = 0;
+  for (; c0 + 32 <= D; c0 += 32) add_values<NG, 4>(acc, p, rows, n, D, c0);
+  if (c0 < D) add_values<NG, 2>(acc, p, rows, n, D, c0);
+}
+#endif  // FLEET_AVX512 / FLEET_AVX2
 
 // ---- one tile, any ISA ------------------------------------------------------------
 
@@ -189,6 +251,13 @@ FLEET_INLINE void score_tile(const float* q, const T* q_raw, int64_t q_raw_strid
       _mm512_storeu_ps(scores + g * kTile + j, _mm512_mul_ps(d, s));
     }
   }
+#elif FLEET_AVX2
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t j = 0; j < n; j += 8) {
+      _mm256_storeu_ps(scores + g * kTile + j, _mm256_mul_ps(dots8(q + g * D, rows + j, D), s));
+    }
+  }
 #else
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t j = 0; j < n; ++j) {
@@ -212,6 +281,22 @@ FLEET_INLINE float exp_shifted_sum(float* x, int64_t n, float shift) {
     sum = _mm512_mask_add_ps(sum, m, sum, e);
   }
   return _mm512_reduce_add_ps(sum);
+#elif FLEET_AVX2
+  // Whole vectors, then the tail (< 8) one by one: AVX2 has no mask registers.
+  const __m256 s = _mm256_set1_ps(shift);
+  __m256 sums = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = fleet_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), s));
+    _mm256_storeu_ps(x + j, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  float sum = reduce_add8(sums);
+  for (; j < n; ++j) {
+    x[j] = std::exp(x[j] - shift);
+    sum += x[j];
+  }
+  return sum;
 #else
   float sum = 0.f;
   for (int64_t j = 0; j < n; ++j) {
@@ -233,6 +318,12 @@ FLEET_INLINE float softmax_tile(float* sc, int64_t n, float& max, float& sum) {
     m = _mm512_mask_max_ps(m, valid, m, _mm512_maskz_loadu_ps(valid, sc + j));
   }
   const float tile_max = _mm512_reduce_max_ps(m);
+#elif FLEET_AVX2
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + j));
+  float tile_max = reduce_max8(m);
+  for (; j < n; ++j) tile_max = std::max(tile_max, sc[j]);
 #else
   const float tile_max = *std::max_element(sc, sc + n);
 #endif
@@ -255,6 +346,16 @@ FLEET_INLINE void value_tile(float* acc, const float* p, const T* const* rows, i
       case 2: add_values<2>(a, pg, rows, n, D); break;
       case 3: add_values<3>(a, pg, rows, n, D); break;
       default: add_values<4>(a, pg, rows, n, D); break;
+    }
+  }
+#elif FLEET_AVX2
+  for (int64_t g = 0; g < G; g += 3) {  // 3 heads x 4 chunks: 12 accumulators in registers
+    float* a = acc + g * D;
+    const float* pg = p + g * kTile;
+    switch (std::min<int64_t>(3, G - g)) {
+      case 1: add_values<1>(a, pg, rows, n, D); break;
+      case 2: add_values<2>(a, pg, rows, n, D); break;
+      default: add_values<3>(a, pg, rows, n, D); break;
     }
   }
 #else

