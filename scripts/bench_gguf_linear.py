@@ -1,6 +1,6 @@
 """GGUF weights multiplied in their blocks (csrc/gguf_linear_cpu.cpp) against
 the same weights dequantized, as fleet multiplied them before
-(kernels/linear.py: the packed bfloat16 copy up to DECODE_ROWS rows, oneDNN's
+(kernels/linear.py: the packed bfloat16 copy up to decode_rows() rows, oneDNN's
 prepacked GEMM, where bfloat16 is native, or F.linear above), for SmolLM2-135M's shapes: its layers are
 Q4_1, its tied embedding / LM head Q8_0. Each line also times float32
 F.linear on the dequantized weight (what a float32 model without kept blocks
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from fleet.config.cpu_class import cpu_computes_bfloat16
 from fleet.kernels.cpu_extension import cpu_kernels
-from fleet.kernels.linear import DECODE_ROWS, PREFILL_ROWS_HINT, pack_bfloat16
+from fleet.kernels.linear import PREFILL_ROWS_HINT, decode_rows, pack_bfloat16
 
 # name -> (out features, in features, GGUF type, times per forward)
 SHAPES = {"qkv": (960, 576, "Q4_1", 30), "o": (576, 576, "Q4_1", 30), "gate_up": (3072, 576, "Q4_1", 30),
@@ -44,7 +44,7 @@ def milliseconds(fn, repeats: int) -> float:
 
 def dequantized_linear(weight: torch.Tensor, rows: int, ops):
     """What a dequantized model ran for a step of `rows` rows: x -> y."""
-    if rows <= DECODE_ROWS:
+    if rows <= decode_rows():
         copy = pack_bfloat16(weight)
         return lambda x: ops.linear_bf16_weight(x, copy, weight.shape[0], None)
     if weight.dtype == torch.bfloat16 and cpu_computes_bfloat16() and torch.backends.mkldnn.is_available():

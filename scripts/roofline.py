@@ -31,6 +31,7 @@ from fleet.config.cpu_class import cpu_class, cpu_computes_bfloat16
 from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
 from fleet.config.model_files import default_model_path, hf_config_from_gguf
+from fleet.kernels.linear import AMX_BLOCK_ROWS
 from fleet.workers.loader import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,12 +64,18 @@ class ModelFacts:
         is_gguf = path.endswith(".gguf")
         hf_config = hf_config_from_gguf(path) if is_gguf else json.load(open(os.path.join(path, "config.json")))
         config = ModelConfig(model=path, model_path=path, architecture=hf_config["architectures"][0],
-                             hf_config=hf_config)
+                             hf_config=hf_config, dtype=str(dtype).removeprefix("torch."))
         model = load_model(config, LoadConfig(load_format="gguf" if is_gguf else "auto"), dtype, "cpu")
-        tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        # A oneDNN-prepacked weight (opaque: no storage to ask) counts its elements.
+        tensors = {id(t) if t.is_mkldnn else t.untyped_storage().data_ptr():
+                   t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
                    for t in [*model.parameters(), *model.buffers()]}
         self.weight_bytes = sum(tensors.values())
         """Every weight once (a tied head shares its embedding's): what a decode step reads."""
+        copied = {m.weight.data_ptr(): m.weight for m in model.modules() if getattr(m, "amx_weight", None) is not None}
+        self.amx_copy_bytes_added = sum(2 * w.gguf_shape[0] * w.gguf_shape[1] - w.nbytes for w in copied.values())
+        """What a step of more than AMX_BLOCK_ROWS rows reads more: the layers' bfloat16 copies of their
+        kept blocks instead of the blocks (kernels/linear.py; on AMX only)."""
         c = hf_config
         self.layers, hidden, inter = c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"]
         heads = c["num_attention_heads"]
@@ -89,7 +96,8 @@ class ModelFacts:
         """(bytes read, FLOPs) of one decode step of `batch` sequences of `context` tokens each."""
         kv = batch * context * self.kv_bytes_per_token
         flops = batch * (2 * (self.matmul_params + self.head_params) + 2 * 2 * self.layers * self.q_width * context)
-        return self.weight_bytes + kv, flops
+        weights = self.weight_bytes + (self.amx_copy_bytes_added if batch > AMX_BLOCK_ROWS else 0)
+        return weights + kv, flops
 
 
 def report_run(result: dict, facts: ModelFacts, flops_peak: float, bytes_peak: float) -> list[str]:
@@ -133,8 +141,10 @@ def main() -> None:
     if not args.result_json:
         return
     facts = ModelFacts(args.model or default_model_path(), DTYPES[dtype_name])
-    print(f"model: {facts.weight_bytes / 1e6:.0f} MB of weights as fleet holds them in {dtype_name}, "
-          f"{facts.kv_bytes_per_token / 1e3:.1f} kB of KV per token; limits below against the {dtype_name} peak")
+    print(f"model: {facts.weight_bytes / 1e6:.0f} MB of weights as fleet holds them in {dtype_name}"
+          + (f" (steps of more than {AMX_BLOCK_ROWS} rows read {facts.amx_copy_bytes_added / 1e6:.0f} MB more: "
+             "the bfloat16 copies)" if facts.amx_copy_bytes_added else "")
+          + f", {facts.kv_bytes_per_token / 1e3:.1f} kB of KV per token; limits below against the {dtype_name} peak")
     for path in args.result_json:
         with open(path) as f:
             print("\n".join(report_run(json.load(f), facts, peaks[dtype_name], bandwidth)))
