@@ -75,7 +75,7 @@
 #define FLEET_GGUF_AVX512_BF16 1
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
+#include "simd_avx2.h"
 #define FLEET_GGUF_AVX2 1
 #endif
 
@@ -268,18 +268,6 @@ struct Q8Rows {
   std::vector<float> d, s;
 };
 
-inline float horizontal_sum(__m256 v) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
-}
-
-inline float horizontal_max(__m256 v) {
-  __m128 max = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  max = _mm_max_ps(max, _mm_movehl_ps(max, max));
-  return _mm_cvtss_f32(_mm_max_ss(max, _mm_movehdup_ps(max)));
-}
-
 // One block of 32 float32s as Q8: q = x * (127 / max|x|) rounded to nearest
 // even (|q| <= 127), d and s as Q8Rows keeps them.
 inline void quantize_block(const float* x, int8_t* q, float& d, float& s) {
@@ -289,7 +277,7 @@ inline void quantize_block(const float* x, int8_t* q, float& d, float& s) {
     v[i] = _mm256_loadu_ps(x + 8 * i);
     max = _mm256_max_ps(max, _mm256_andnot_ps(sign, v[i]));
   }
-  const float amax = horizontal_max(max);
+  const float amax = reduce_max8(max);
   const __m256 scale = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   __m256i ints[4], sum = _mm256_setzero_si256();
   for (int i = 0; i < 4; ++i) {
@@ -300,7 +288,7 @@ inline void quantize_block(const float* x, int8_t* q, float& d, float& s) {
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
   _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   d = amax / 127.f;
-  s = d * horizontal_sum(_mm256_cvtepi32_ps(sum));
+  s = d * reduce_add8(_mm256_cvtepi32_ps(sum));
 }
 
 Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
@@ -439,21 +427,6 @@ void q8_rows(const float* x, const uint8_t* packed, int64_t M, int64_t K, int64_
   });
 }
 
-// The float32 of v rounded to Model (round to nearest even for bfloat16;
-// weights are finite).
-template <typename Model>
-inline __m256 round_to_model(__m256 v) {
-  if constexpr (std::is_same_v<Model, at::BFloat16>) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-    return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(int32_t(0xFFFF0000))));
-  } else if constexpr (std::is_same_v<Model, at::Half>) {
-    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  return v;
-}
-
 // tile[kp * 64 + 32 h + lane]: a panel's block dequantized in the packed
 // order (lane 2i + e holds feature 16h + i at k = 2 kp + e), rounded to Model
 // as loading dequantized weights did.
@@ -487,7 +460,7 @@ void dequantize_pairs(const uint8_t* panel_block, float* tile) {
         const __m256i ints = TYPE == Q8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
         const int t = 4 * h + g;
         _mm256_storeu_ps(tile + kp * 64 + 8 * t,
-                         round_to_model<Model>(_mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), d[t], m[t])));
+                         round_to<Model>(_mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), d[t], m[t])));
       }
     }
   }
