@@ -139,6 +139,10 @@ class EngineArgs:
     api_key: list[str] | None = None
     api_server_count: int = 1
     max_request_body_bytes: HumanInt = 8 * 2**20
+    metrics_require_key: bool = False
+    http_header_timeout: float = 10.0
+    http_keep_alive_timeout: float = 5.0
+    max_connections: int = 1000
     shutdown_timeout: float = 10.0
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"
     chat_template: str | None = None
@@ -258,7 +262,7 @@ def _resolve_frontend(frontend: FrontendConfig, model: ModelConfig) -> FrontendC
         frontend = dataclasses.replace(frontend, max_prompt_chars=PROMPT_CHARS_PER_TOKEN * model.max_model_len)
     if frontend.enable_auto_tool_choice and frontend.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
-    at_least_one = ("api_server_count", "max_prompt_chars", "max_tools", "max_inputs_per_request",
+    at_least_one = ("api_server_count", "max_connections", "max_prompt_chars", "max_tools", "max_inputs_per_request",
                     "max_request_tokens", "max_structured_choices", "sandbox_processes")
     for name in at_least_one:
         if getattr(frontend, name) < 1:
@@ -266,8 +270,9 @@ def _resolve_frontend(frontend: FrontendConfig, model: ModelConfig) -> FrontendC
     for name in ("max_stored_responses", "max_stored_response_bytes"):
         if getattr(frontend, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(frontend, name)}")
-    if frontend.sandbox_timeout <= 0:
-        raise ValueError(f"--sandbox-timeout must be positive, got {frontend.sandbox_timeout}")
+    for name in ("sandbox_timeout", "http_header_timeout", "http_keep_alive_timeout"):
+        if getattr(frontend, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(frontend, name)}")
     if frontend.sandbox_memory_bytes < MIN_SANDBOX_MEMORY_BYTES:
         raise ValueError(f"--sandbox-memory-bytes must be at least {MIN_SANDBOX_MEMORY_BYTES >> 20}M (the process "
                          f"and the tokenizer it checks grammars with), got {frontend.sandbox_memory_bytes}")

@@ -20,7 +20,15 @@ class FrontendConfig:
     api_server_count: int = 1
     """Number of API server processes; all of them reach every engine of this node."""
     max_request_body_bytes: HumanInt = 8 * 2**20
-    """Largest HTTP request body (e.g. 8M); a larger one is answered 413 before it is read."""
+    """Largest HTTP request body (e.g. 8M); a larger one is answered 413 (before it is read, when it gives its length)."""
+    metrics_require_key: bool = False
+    """/metrics needs the API key too (by default it is open, as /health and /ping, for scrapers)."""
+    http_header_timeout: float = 10.0
+    """Seconds a connection has to send a request's head (line and headers); then it is closed (slow clients)."""
+    http_keep_alive_timeout: float = 5.0
+    """Seconds an idle keep-alive connection stays open between requests."""
+    max_connections: int = 1000
+    """Open HTTP connections each API server serves; one past it gets a 503 and is closed."""
     shutdown_timeout: float = 10.0
     """Seconds that SIGINT/SIGTERM waits for processes to end before they are killed."""
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "warning"

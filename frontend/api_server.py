@@ -30,8 +30,10 @@ from fleet.core.node_plan import APIServerPlan
 from fleet.core.sampling_params import InvalidParameter
 from fleet.frontend.async_engine import AsyncEngine, ServerStopping
 from fleet.frontend.engine_client import EngineDeadError
-from fleet.frontend.gatekeeper import BodyTooLarge, Gatekeeper, error_body, error_response, too_large
+from fleet.frontend.gatekeeper import Gatekeeper, error_body, error_response
+from fleet.frontend.http_protocol import guarded_protocol
 from fleet.frontend.metrics import Metrics
+from fleet.frontend.openapi_errors import document_fleet_errors
 from fleet.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -78,19 +80,17 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox, respon
     app = FastAPI(title="fleet", version=fleet.__version__, lifespan=lifespan, root_path=frontend.root_path or "",
                   **docs)
     served_names = config.model.served_model_name or [config.model.model]
+    document_fleet_errors(app)
     serving = Serving(engine, served_names[0], sandbox)
     responses = ResponsesServing(serving, store, engine.client_index, peers.get)
     metrics = engine.metrics
     app.add_middleware(Gatekeeper, api_keys=config.frontend.api_key, server_index=engine.client_index,
-                       max_body_bytes=config.frontend.max_request_body_bytes)
+                       max_body_bytes=config.frontend.max_request_body_bytes,
+                       metrics_require_key=config.frontend.metrics_require_key)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, error: Exception):  # the Gatekeeper logs it
         return error_response(500, f"internal error: {type(error).__name__}: {error}")
-
-    @app.exception_handler(BodyTooLarge)
-    async def body_too_large(_: Request, error: BodyTooLarge):
-        return too_large(config.frontend.max_request_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, error: RequestValidationError):
@@ -146,7 +146,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox, respon
                                 status_code=status)
         if not serving:
             return error_response(503, "no replica serves: " + "; ".join(r["reason"] for r in replicas))
-        return Response(status_code=200)
+        return Response(status_code=200, media_type="text/plain")
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping(request: Request):  # SageMaker's name for /health, as in vLLM
@@ -354,8 +354,11 @@ def run_api_server(name: str, info: APIServerStartupInfo) -> None:
 
     engine, sandbox, app = processes.start_or_report(name, info.handshake_address, build)
     drain = config.frontend.shutdown_timeout
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.frontend.uvicorn_log_level,
-                                           timeout_graceful_shutdown=drain))
+    frontend = config.frontend
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=frontend.uvicorn_log_level, timeout_graceful_shutdown=drain,
+        http=guarded_protocol(frontend.http_header_timeout, frontend.max_connections),
+        timeout_keep_alive=frontend.http_keep_alive_timeout, ws="none"))  # no route is a WebSocket
     listener = inherited_listener(info.listen_fd)
 
     async def serve() -> None:

@@ -8,11 +8,13 @@ would run to its end.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
@@ -26,9 +28,20 @@ ERROR_TYPES = {
     503: "ServiceUnavailableError",
 }
 
+OPEN_PATHS = frozenset({"/health", "/ping"})
+"""What a load balancer polls: open whatever --api-key says. Every other path
+needs the key, unknown ones too (an allow-list: a route added later is guarded)."""
+METRICS_PATH = "/metrics"
+"""Open too, for scrapers, unless --metrics-require-key."""
 
-class BodyTooLarge(Exception):
-    """The body grew past --max-request-body-bytes while being read (no Content-Length)."""
+
+class BodyTooLarge(HTTPException):
+    """The body grew past --max-request-body-bytes while being read (no
+    Content-Length). An HTTPException, which FastAPI passes on from reading a
+    body (any other error there becomes its 400 "error parsing the body")."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, _too_large_message(limit))
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -40,25 +53,53 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-def authorized(headers: Headers, api_keys: list[str]) -> bool:
+def key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def authorized(headers: Headers, key_digests: list[bytes]) -> bool:
     """`Authorization: Bearer KEY`, the scheme in any case (RFC 7235), KEY one
-    of `api_keys`, compared in constant time so its length and prefix do not leak."""
+    of the keys whose sha256 is in `key_digests`. Digests of equal length are
+    compared in constant time, so neither a key's length nor its prefix leaks."""
     scheme, _, key = headers.get("authorization", "").partition(" ")
-    given = key.strip().encode()
-    matches = [hmac.compare_digest(given, api_key.encode()) for api_key in api_keys]  # every one: no early exit
+    given = key_digest(key.strip())
+    matches = [hmac.compare_digest(given, digest) for digest in key_digests]  # every one: no early exit
     return scheme.lower() == "bearer" and any(matches)
 
 
+def open_path_spelling(scope: Scope) -> str:
+    """The path without --root-path, lower case, repeated and trailing slashes
+    dropped: every spelling of an open path reads as that path. Safe because
+    no guarded route matches any spelling of /health, /ping or /metrics: the
+    router strips the root path as done here and is case-sensitive (`/HEALTH`
+    is a 404). Dot segments are not resolved: `/v1/models/../../health` is a
+    guarded route (`/v1/models/{name:path}`), not /health."""
+    path = scope["path"].lower()
+    root = scope.get("root_path", "").lower().rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root):]
+    return "/" + "/".join(part for part in path.split("/") if part)
+
+
+def _too_large_message(limit: int) -> str:
+    return f"the request body is larger than {limit} bytes (--max-request-body-bytes)"
+
+
 def too_large(limit: int) -> JSONResponse:
-    return error_response(413, f"the request body is larger than {limit} bytes (--max-request-body-bytes)")
+    return error_response(413, _too_large_message(limit))
 
 
 class Gatekeeper:
-    def __init__(self, app: ASGIApp, api_keys: list[str] | None, server_index: int, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, api_keys: list[str] | None, server_index: int, max_body_bytes: int,
+                 metrics_require_key: bool):
         self.app = app
-        self.api_keys = api_keys
+        self.key_digests = [key_digest(key) for key in api_keys or []]
+        self.open_paths = OPEN_PATHS if metrics_require_key else OPEN_PATHS | {METRICS_PATH}
         self.server_header = (b"fleet-api-server", str(server_index).encode())
         self.max_body_bytes = max_body_bytes
+
+    def needs_key(self, scope: Scope) -> bool:
+        return bool(self.key_digests) and open_path_spelling(scope) not in self.open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -75,8 +116,9 @@ class Gatekeeper:
             await send(message)
 
         headers = Headers(scope=scope)
-        if self.api_keys and scope["path"].startswith("/v1") and not authorized(headers, self.api_keys):
+        if self.needs_key(scope) and not authorized(headers, self.key_digests):
             response = error_response(401, "invalid or missing API key: send `Authorization: Bearer KEY`")
+            response.headers["www-authenticate"] = "Bearer"
             await response(scope, receive, send_named)
             return
         length = headers.get("content-length", "")
@@ -101,7 +143,7 @@ class Gatekeeper:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise BodyTooLarge
+                    raise BodyTooLarge(self.max_body_bytes)
             return message
 
         return counted

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from fleet.core.sampling_params import INT64, InvalidParameter, SamplingParams, StructuredOutputsParams
 
@@ -146,7 +146,7 @@ class SamplingFields(RequestBody):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
@@ -184,10 +184,9 @@ class SamplingFields(RequestBody):
                         model_defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`model_defaults` (--generation-config) fill the sampling fields this request left unset."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        try:
-            logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise InvalidParameter("logit_bias", "logit_bias keys must be token ids") from None
+        if not all(_spells_token_id(key) for key in self.logit_bias or {}):
+            raise InvalidParameter("logit_bias", "logit_bias keys must be token ids")
+        logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         defaults = model_defaults or {}
         max_tokens = self.max_tokens
         if max_tokens is None:
@@ -229,6 +228,12 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _token_ids_are_integers(cls, data: Any) -> Any:
+        _check_prompt_form(data, "prompt")
+        return data
 
     def prompt_logprobs_wanted(self, logprobs: int | None) -> int | None:
         """echo with logprobs returns the prompt's logprobs too."""
@@ -276,7 +281,8 @@ class ToolCallMessage(OpenAIBase):
 
 
 class ChatMessage(OpenAIBase):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    """OpenAI's roles: a chat template given another may render it as it stands, or fail on it."""
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
@@ -374,6 +380,12 @@ class EmbeddingRequest(RequestBody):
             raise InvalidParameter("dimensions", "dimensions (shortened embeddings) is not supported by this model")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _token_ids_are_integers(cls, data: Any) -> Any:
+        _check_prompt_form(data, "input")
+        return data
+
     def inputs(self) -> list[str | list[int]]:
         """The texts or token-id lists to embed."""
         return texts_or_token_lists(self.input)
@@ -400,7 +412,7 @@ class TokenizeRequest(RequestBody):
 
 class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class Usage(BaseModel):
@@ -418,6 +430,29 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+def _is_token_id(value: Any) -> bool:
+    """An integer, not a bool or a float: pydantic's lax mode would read true and 1.0 as the token id 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _spells_token_id(key: str) -> bool:
+    """A logit_bias key: ASCII digits, as OpenAI's clients write them (int() also takes "1_0", " 1" and "١")."""
+    return key.isascii() and key.removeprefix("-").isdigit()
+
+
+def _check_prompt_form(body: Any, field: str) -> None:
+    """`field` of a raw body in one of OpenAI's prompt forms (see texts_or_token_lists), else a 400 naming it."""
+    value = body.get(field) if isinstance(body, dict) else None
+    if value is None or isinstance(value, str):
+        return  # absent or text: pydantic's own checks
+    if isinstance(value, list) and (all(isinstance(item, str) for item in value)
+                                    or all(_is_token_id(item) for item in value)
+                                    or all(isinstance(item, list) and all(map(_is_token_id, item)) for item in value)):
+        return
+    raise InvalidParameter(field, f"{field} must be a string, a list of strings, a list of token ids (integers: "
+                                  "not booleans or floats) or a list of lists of token ids")
 
 
 def texts_or_token_lists(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

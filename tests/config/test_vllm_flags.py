@@ -217,7 +217,9 @@ def test_a_vllm_command_line_serves_and_logs_each_ignored_flag(tiny_llama_dir):
                                   headers={"Authorization": f"Bearer {key}"})
             assert response.status_code == status, response.text
         assert response.json()["usage"]["completion_tokens"] == 4
-        assert server.get("/docs").status_code == server.get("/openapi.json").status_code == 404
+        keyed = {"headers": {"Authorization": "Bearer k1"}}
+        assert server.get("/docs", **keyed).status_code == server.get("/openapi.json", **keyed).status_code == 404
+        assert server.get("/metrics").status_code == 200, "open to scrapers without --metrics-require-key"
         log = "".join(server.log)
         for flag in ("--enforce-eager", "--disable-log-requests", "--trust-remote-code"):
             assert log.count(f"{flag}: ignored: ") == 1, log
