@@ -48,7 +48,7 @@ class FrontendConfig:
     max_inputs_per_request: int = 2048
     """Most prompts in one completions request, or inputs in one embeddings request (OpenAI's limit)."""
     max_request_tokens: HumanInt = 128 * 2**10
-    """Most tokens one request may ask to generate: n x max_tokens. A request without max_tokens gets at most this / n."""
+    """Most tokens one request may count, summed over its prompts: n x (prompt tokens + max_tokens + logprob entries), the entries being per position and alternative returned, prompt tokens x (prompt_logprobs + 1) and max_tokens x (logprobs + 1) (frontend/request_tokens.py). A chat without max_tokens gets what fits."""
     max_structured_choices: int = 4096
     """Most strings in a structured output `choice`."""
     sandbox_processes: int = 2
@@ -62,6 +62,6 @@ class FrontendConfig:
     disable_fastapi_docs: bool = False
     """Serve no /docs, /redoc or /openapi.json."""
     max_stored_responses: int = 1000
-    """Most Responses API responses each API server keeps (GET /v1/responses/{id}, previous_response_id); the oldest go first. 0 stores none."""
+    """Most Responses API responses each API server keeps for each --api-key key (for all clients without one; GET /v1/responses/{id}, previous_response_id); the key's oldest go first. 0 stores none."""
     max_stored_response_bytes: HumanInt = 64 * 2**20
-    """Most bytes of stored responses (their JSON) each API server keeps; the oldest go first."""
+    """Most bytes of stored responses (their JSON) each API server keeps, all keys together; past it the oldest of the key holding the most bytes goes."""

@@ -43,7 +43,7 @@ from fleet.frontend.protocol import (
     now,
 )
 from fleet.frontend.response_peers import PeerUnreachable, ResponsePeers
-from fleet.frontend.response_store import ResponseStore
+from fleet.frontend.response_store import ResponseStore, owner_of
 from fleet.frontend.responses import ResponsesServing
 from fleet.frontend.responses_protocol import ResponsesRequest
 from fleet.frontend.sandbox import Sandbox, startup_info
@@ -212,7 +212,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox, respon
         if not prompts:
             raise InvalidParameter("prompt", "the prompt is empty")
         serving.check_input_count(len(prompts), "prompt")
-        prepared = await off_loop(lambda: [serving.prepare(p, body, body.logprobs) for p in prompts])
+        prepared = await off_loop(serving.prepare_prompts, prompts, body, body.logprobs)
         if body.stream:
             return _stream(serving.completion_stream(body, prepared))
         return await _unless_disconnected(serving.completion(body, prepared), request)
@@ -244,39 +244,43 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox, respon
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         check_model(body.model)
-        turn = await responses.prepare(body)
+        turn = await responses.prepare(body, owner(request))
         if body.stream:
             return StreamingResponse(responses.stream(turn), media_type="text/event-stream")
         return await _unless_disconnected(responses.create(turn), request)
 
-    async def stored(response_id: str, action: str = "get"):
-        entry = await peers.act(action, response_id)
+    def owner(request: Request) -> str | None:
+        return owner_of(request.headers.get("authorization", ""), config.frontend.api_key)
+
+    async def stored(response_id: str, request: Request, action: str = "get"):
+        """The asking key's response: another key's is as unknown as an id never made (a 404 either way)."""
+        entry = await peers.act(action, response_id, owner(request))
         if entry is None:
             raise APIError(404, f"Response with id '{response_id}' not found.", "response_id")
         return entry
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
-        return (await stored(response_id)).response
+    async def get_response(response_id: str, request: Request):
+        return (await stored(response_id, request)).response
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(response_id: str):
+    async def response_input_items(response_id: str, request: Request):
         items = [{"id": item.get("id") or f"item_{index}", **item}
-                 for index, item in enumerate((await stored(response_id)).input_items)]
+                 for index, item in enumerate((await stored(response_id, request)).input_items)]
         return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
                 "last_id": items[-1]["id"] if items else None, "has_more": False}
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        await stored(response_id, "delete")
+    async def delete_response(response_id: str, request: Request):
+        await stored(response_id, request, "delete")
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str):
-        entry = await stored(response_id)
+    async def cancel_response(response_id: str, request: Request):
+        entry = await stored(response_id, request)
         if not entry.response.get("background"):
             raise APIError(400, "Only background responses can be cancelled.", "response_id")
-        return (await stored(response_id, "cancel")).response
+        return (await stored(response_id, request, "cancel")).response
 
     return app
 

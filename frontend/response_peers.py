@@ -2,7 +2,9 @@
 listening socket, so a `GET /v1/responses/{id}` (or a `previous_response_id`)
 lands on any of them; the id names the server that stored it
 (response_store.holder_of), and the others ask that one over ZMQ. Each API
-server answers such questions on its own ipc:// address, from its store."""
+server answers such questions on its own ipc:// address, from its store;
+a question carries the asking key's owner, so that the holder refuses
+another key's as it does on its own requests."""
 from __future__ import annotations
 
 import asyncio
@@ -24,6 +26,8 @@ PEER_TIMEOUT_S = 5.0
 class StoreQuestion(msgspec.Struct, frozen=True):
     action: Literal["get", "delete", "cancel"]
     response_id: str
+    owner: str | None
+    """Whose response it must be (response_store.owner_of): the holder checks, as for its own requests."""
 
 
 class StoredEntry(msgspec.Struct):
@@ -64,20 +68,21 @@ class ResponsePeers:
             self.answering.cancel()
             await asyncio.gather(self.answering, return_exceptions=True)
 
-    async def act(self, action: str, response_id: str) -> StoredResponse | None:
-        """Get, delete or cancel a stored response wherever it is; None when no server holds it."""
+    async def act(self, action: str, response_id: str, owner: str | None) -> StoredResponse | None:
+        """Get, delete or cancel `owner`'s stored response wherever it is; None
+        when no server holds it, or holds it for another owner."""
         holder = holder_of(response_id)
         if holder is None or holder >= len(self.addresses):
             return None
         if holder == self.index:
-            return await act_on_store(self.store, action, response_id)
-        answer = await self._ask(holder, StoreQuestion(action, response_id))
+            return await act_on_store(self.store, action, response_id, owner)
+        answer = await self._ask(holder, StoreQuestion(action, response_id, owner))
         if answer.entry is None:
             return None
-        return StoredResponse(answer.entry.response, answer.entry.conversation, answer.entry.input_items)
+        return StoredResponse(answer.entry.response, answer.entry.conversation, answer.entry.input_items, owner)
 
-    async def get(self, response_id: str) -> StoredResponse | None:
-        return await self.act("get", response_id)
+    async def get(self, response_id: str, owner: str | None) -> StoredResponse | None:
+        return await self.act("get", response_id, owner)
 
     async def _ask(self, holder: int, question: StoreQuestion) -> StoreAnswer:
         socket = self.context.socket(zmq.DEALER)
@@ -105,16 +110,17 @@ class ResponsePeers:
                 except msgspec.DecodeError:
                     logger.warning("ignoring a malformed stored-response question")
                     continue
-                entry = await act_on_store(self.store, question.action, question.response_id)
+                entry = await act_on_store(self.store, question.action, question.response_id, question.owner)
                 wire = None if entry is None else StoredEntry(entry.response, entry.conversation, entry.input_items)
                 await socket.send_multipart([identity, msgspec.msgpack.encode(StoreAnswer(wire))])
         finally:
             socket.close()
 
 
-async def act_on_store(store: ResponseStore, action: str, response_id: str) -> StoredResponse | None:
-    """Get, delete or cancel (a running background response) in this server's store."""
-    entry = store.get(response_id)
+async def act_on_store(store: ResponseStore, action: str, response_id: str,
+                       owner: str | None) -> StoredResponse | None:
+    """Get, delete or cancel (a running background response) `owner`'s response in this server's store."""
+    entry = store.get(response_id, owner)
     if entry is None:
         return None
     if action == "delete":

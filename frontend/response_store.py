@@ -1,14 +1,16 @@
 """The Responses API's stored responses: what `GET /v1/responses/{id}` returns
 and what `previous_response_id` continues from. Each API server keeps its
 own, bounded by count and by bytes (oldest evicted first); a response's id
-names the API server that holds it (frontend/response_peers.py asks that one)."""
+names the API server that holds it (frontend/response_peers.py asks that one).
+With --api-key a response belongs to the key that made it: another key finds
+no response of that id, and cannot evict it by storing its own."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,17 @@ logger = logging.getLogger(__name__)
 def new_response_id(server_index: int) -> str:
     """`resp_<32 hex digits>_<API server index>`."""
     return f"resp_{uuid.uuid4().hex}_{server_index}"
+
+
+def owner_of(authorization: str, api_keys: list[str] | None) -> str | None:
+    """Whose stored responses a request makes and may see: the sha256 of its
+    `Authorization: Bearer KEY` (read as the gatekeeper reads it, which has
+    checked it), so that the store never holds a key; None without --api-key,
+    where all clients share one store as before."""
+    if not api_keys:
+        return None
+    _, _, key = authorization.partition(" ")
+    return hashlib.sha256(key.strip().encode()).hexdigest()
 
 
 def holder_of(response_id: str) -> int | None:
@@ -36,6 +49,8 @@ class StoredResponse:
     """The chat messages that a response continuing from this one starts with: its input, then its output."""
     input_items: list[dict[str, Any]]
     """Its input as Responses items (GET /v1/responses/{id}/input_items)."""
+    owner: str | None = None
+    """The sha256 of the API key that made it (owner_of); None without --api-key."""
     task: asyncio.Task | None = field(default=None, repr=False)
     """A background response's generation, while it runs."""
     size: int = 0
@@ -47,14 +62,18 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Responses by id, oldest first; at most `max_count` of them and
-    `max_bytes` of their JSON. Evicting a background response that still
-    runs cancels it (its answer would have nowhere to go)."""
+    """Responses by id, each its owner's; per owner oldest first. An owner
+    keeps at most `max_per_owner` responses (its own oldest go first, so a
+    flood of one key's responses evicts only that key's), and all owners
+    together at most `max_bytes` of JSON: past that, the oldest response of
+    the owner holding the most bytes goes. Evicting a background response
+    that still runs cancels it (its answer would have nowhere to go)."""
 
-    def __init__(self, max_count: int, max_bytes: int):
-        self.max_count = max_count
+    def __init__(self, max_per_owner: int, max_bytes: int):
+        self.max_per_owner = max_per_owner
         self.max_bytes = max_bytes
-        self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.entries: dict[str, StoredResponse] = {}
+        self.holdings: dict[str | None, Holding] = {}
         self.bytes = 0
 
     def put(self, entry: StoredResponse) -> None:
@@ -64,33 +83,58 @@ class ResponseStore:
             logger.warning("response %s (%d bytes) is larger than --max-stored-response-bytes: not stored",
                            response_id, entry.size)
             return
+        holding = self.holdings.setdefault(entry.owner, Holding())
         self.entries[response_id] = entry
+        holding.ids[response_id] = None
+        holding.bytes += entry.size
         self.bytes += entry.size
-        while len(self.entries) > self.max_count or self.bytes > self.max_bytes:
-            oldest = next(iter(self.entries))
-            self._evict(oldest)
+        while len(holding.ids) > self.max_per_owner:
+            self._evict(next(iter(holding.ids)))
+        self._keep_within_bytes()
 
     def update(self, response_id: str) -> None:
         """Re-measure an entry whose response changed (a background one that finished)."""
         entry = self.entries.get(response_id)
         if entry is None:
             return
-        self.bytes -= entry.size
-        self.bytes += entry.measure()
-        while self.bytes > self.max_bytes and self.entries:
-            self._evict(next(iter(self.entries)))
+        old = entry.size
+        grown = entry.measure() - old
+        self.holdings[entry.owner].bytes += grown
+        self.bytes += grown
+        self._keep_within_bytes()
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        return self.entries.get(response_id)
+    def get(self, response_id: str, owner: str | None) -> StoredResponse | None:
+        """`owner`'s response of that id; None also when another owner's holds it (its existence does not leak)."""
+        entry = self.entries.get(response_id)
+        return entry if entry is not None and entry.owner == owner else None
 
     def remove(self, response_id: str) -> StoredResponse | None:
         entry = self.entries.pop(response_id, None)
         if entry is not None:
+            holding = self.holdings[entry.owner]
+            del holding.ids[response_id]
+            holding.bytes -= entry.size
             self.bytes -= entry.size
+            if not holding.ids:
+                del self.holdings[entry.owner]
         return entry
+
+    def _keep_within_bytes(self) -> None:
+        while self.bytes > self.max_bytes:
+            largest = max(self.holdings.values(), key=lambda holding: holding.bytes)
+            self._evict(next(iter(largest.ids)))
 
     def _evict(self, response_id: str) -> None:
         entry = self.remove(response_id)
         if entry is not None and entry.task is not None and not entry.task.done():
             logger.warning("background response %s evicted from the store while it ran: cancelled", response_id)
             entry.task.cancel()
+
+
+@dataclass
+class Holding:
+    """One owner's part of the store."""
+
+    ids: dict[str, None] = field(default_factory=dict)
+    """Its responses' ids, oldest first."""
+    bytes: int = 0

@@ -37,6 +37,8 @@ class Turn:
     tools: ToolChoice
     conversation: list[dict[str, Any]]
     """The chat messages so far without the instructions: the previous response's, then this input's."""
+    owner: str | None
+    """Whose it is once stored (response_store.owner_of)."""
 
 
 class ResponsesServing:
@@ -45,14 +47,15 @@ class ResponsesServing:
         self.store = store
         self.server_index = server_index
         self.lookup = lookup
-        """async (response id) -> StoredResponse | None, wherever the id's API server is."""
+        """async (response id, owner) -> StoredResponse | None, wherever the id's API server is."""
 
     # ---- preparing -------------------------------------------------------------------------
 
-    async def prepare(self, request: ResponsesRequest) -> Turn:
+    async def prepare(self, request: ResponsesRequest, owner: str | None) -> Turn:
+        """`owner`: the asking key's; another key's previous_response_id is as unknown as one never made."""
         history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
-            previous = await self.lookup(request.previous_response_id)
+            previous = await self.lookup(request.previous_response_id, owner)
             if previous is None:
                 raise InvalidParameter("previous_response_id", f"Previous response with id "
                                                                f"'{request.previous_response_id}' not found.")
@@ -65,7 +68,7 @@ class ResponsesServing:
             chat = request.chat_request(history)
             prepared, tools = self.serving.prepare_chat(chat, None)
             conversation = history + items_to_messages(request.input_items())
-            return Turn(request, new_response_id(self.server_index), prepared, tools, conversation)
+            return Turn(request, new_response_id(self.server_index), prepared, tools, conversation, owner)
 
         return await asyncio.to_thread(build)
 
@@ -82,7 +85,7 @@ class ResponsesServing:
 
     def _start_background(self, turn: Turn) -> dict[str, Any]:
         response = self._skeleton(turn, "queued")
-        entry = StoredResponse(response, turn.conversation, turn.request.input_items())
+        entry = StoredResponse(response, turn.conversation, turn.request.input_items(), turn.owner)
         entry.task = asyncio.create_task(self._run_in_background(turn, entry))
         self.store.put(entry)
         return copy.deepcopy(response)
@@ -105,7 +108,8 @@ class ResponsesServing:
     def _remember(self, turn: Turn, response: dict[str, Any]) -> None:
         if turn.request.store:
             conversation = turn.conversation + [_assistant_message(response["output"])]
-            self.store.put(StoredResponse(copy.deepcopy(response), conversation, turn.request.input_items()))
+            self.store.put(StoredResponse(copy.deepcopy(response), conversation, turn.request.input_items(),
+                                          turn.owner))
 
     async def stream(self, turn: Turn) -> AsyncIterator[str]:
         """The Responses event stream; the response is stored at its end."""

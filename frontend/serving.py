@@ -16,6 +16,7 @@ from fleet.core.sampling_params import InvalidParameter, SamplingParams, Structu
 from fleet.frontend.async_engine import AsyncEngine
 from fleet.frontend.output_processor import EMBEDDING_PARAMS, CompletionOutput, Logprob, RequestOutput, RequestState
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, now, random_id
+from fleet.frontend.request_tokens import RequestTokens, fitting_max_tokens
 from fleet.frontend.sandbox import Sandbox
 from fleet.frontend.tokenizer import chat_render_request
 from fleet.frontend.tool_calls import ToolCall, ToolChoice
@@ -58,14 +59,37 @@ class Serving:
     # ---- validation ---------------------------------------------------------------------
 
     def prepare(self, prompt: str | list[int], request, logprobs: int | None) -> Prepared:
-        """Tokenise and build validated SamplingParams; raises InvalidParameter."""
+        """One prompt tokenised with validated SamplingParams; raises InvalidParameter."""
+        return self.prepare_prompts([prompt], request, logprobs)[0]
+
+    def prepare_prompts(self, prompts: list[str | list[int]], request, logprobs: int | None) -> list[Prepared]:
+        """Each prompt tokenised with validated SamplingParams, the request
+        counted over all of them (frontend/request_tokens.py): past
+        --max-request-tokens the rest is not tokenised, nor its grammar
+        checked. Raises InvalidParameter."""
+        prompt_param = "prompt" if isinstance(request, CompletionRequest) else "messages"
+        counted = RequestTokens(self.limits.max_request_tokens, prompt_param)
+        prepared = []
+        for prompt in prompts:
+            one = self._prepare_one(prompt, request, logprobs)
+            counted.add(len(one.prompt_token_ids), one.params)
+            prepared.append(one)
+        constraint = prepared[0].params.structured_outputs  # the request's, the same for every prompt: checked once
+        if constraint is not None:
+            self.check_constraint(constraint, "structured_outputs")
+        return prepared
+
+    def _prepare_one(self, prompt: str | list[int], request, logprobs: int | None) -> Prepared:
         prompt, token_ids = self.tokenize_prompt(prompt)
         rest_of_context = self.max_model_len - len(token_ids)
         # Completions without max_tokens stop at 16 tokens (OpenAI and vLLM); chat at the end of the
-        # context, or where n of them reach --max-request-tokens.
-        default_max_tokens = min(rest_of_context, max(1, self.limits.max_request_tokens // max(request.n, 1)))
+        # context, or where the request's count reaches --max-request-tokens.
         if isinstance(request, CompletionRequest):
             default_max_tokens = min(COMPLETION_MAX_TOKENS, rest_of_context)
+        else:
+            default_max_tokens = min(rest_of_context, fitting_max_tokens(
+                self.limits.max_request_tokens, len(token_ids), request.n, logprobs,
+                request.prompt_logprobs_wanted(logprobs)))
         params = request.sampling_params(default_max_tokens, logprobs, self.sampling_defaults)
         params.validate(self.max_logprobs, self.vocab_size)
         if len(token_ids) + params.max_tokens > self.max_model_len:
@@ -75,12 +99,6 @@ class Serving:
                 f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, {params.max_tokens} "
                 "for the completion). Please reduce the length of the prompt or max_tokens.",
             )
-        if params.n * params.max_tokens > self.limits.max_request_tokens:
-            raise InvalidParameter("max_tokens", f"n x max_tokens = {params.n} x {params.max_tokens} is more than "
-                                                 f"the limit of {self.limits.max_request_tokens} tokens per request "
-                                                 "(--max-request-tokens)")
-        if params.structured_outputs is not None:
-            self.check_constraint(params.structured_outputs, "structured_outputs")
         return Prepared(prompt, token_ids, params, self.kv_transfer(request.kv_transfer_params))
 
     def kv_transfer(self, body: dict | None) -> KVTransferParams | None:

@@ -19,6 +19,8 @@ from fleet.tests.frontend.server import Server
 pytestmark = pytest.mark.slow
 
 SANDBOX_TIMEOUT_S = 2.0
+REQUEST_TOKENS = 128 * 2**10
+"""--max-request-tokens' default, which the server below keeps."""
 ANSWER_WITHIN_S = 5.0
 """The issue's bound for a hostile request's 400: the client gives up after this."""
 
@@ -94,6 +96,16 @@ HOSTILE = {
         "tools", ["--max-tools"]),
     "huge n x max_tokens": ("/v1/completions", {"prompt": "x", "n": 128, "max_tokens": 2000},
                             "max_tokens", ["--max-request-tokens"]),
+    # --max-request-tokens counts the whole request: each prompt of these fits, all of them do not
+    "2,048 prompts x n 64 x max_tokens 2,000": ("/v1/completions", {"prompt": ["x"] * 2048, "n": 64,
+                                                                    "max_tokens": 2000},
+                                                "max_tokens", ["--max-request-tokens", str(REQUEST_TOKENS)]),
+    "echo with logprobs 20 over 64 prompts": ("/v1/completions", {"prompt": ["word " * 200] * 64, "echo": True,
+                                                                  "logprobs": 20, "max_tokens": 1},
+                                              "logprobs", ["--max-request-tokens", str(REQUEST_TOKENS)]),
+    "prompt_logprobs 20 x n 8 of a chat": ("/v1/chat/completions", chat(
+        messages=[{"role": "user", "content": "word " * 300}], n=8, prompt_logprobs=20),
+        "logprobs", ["--max-request-tokens"]),
     "3,000 prompts": ("/v1/completions", {"prompt": ["x"] * 3000, "max_tokens": 1},
                       "prompt", ["--max-inputs-per-request"]),
     "a prompt longer than any context": ("/v1/completions", {"prompt": "ab " * 200000, "max_tokens": 1},
@@ -166,6 +178,25 @@ def test_a_legitimate_grammar_and_template_still_serve(server):
     assert response.json()["usage"]["prompt_tokens"] == len(plain)
     rendered = server.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}], "chat_template": doubled})
     assert rendered.json()["tokens"] == plain, "/tokenize renders messages as the chat request does"
+
+
+def test_the_count_spans_the_whole_request_and_ordinary_requests_pass(server):
+    """2,048 prompts x n 64 x max_tokens 2,000: refused at the second prompt, with its count; a long prompt
+    echoed with logprobs, n 3, and 64 short prompts x n 2 are served."""
+    name = model(server)
+    refusal = server.post("/v1/completions", json={"model": name, "prompt": ["x"] * 2048, "n": 64, "max_tokens": 2000})
+    assert refusal.status_code == 400, refusal.text
+    prompt_tokens = server.post("/tokenize", json={"prompt": "x"}).json()["count"]
+    message = refusal.json()["error"]["message"]
+    assert f"counts {2 * 64 * (prompt_tokens + 2000)} tokens" in message and "first 2 prompts" in message, message
+    long_prompt = "word " * 500
+    echoed = server.post("/v1/completions", json={"model": name, "prompt": long_prompt, "n": 3, "echo": True,
+                                                   "logprobs": 5, "max_tokens": 4})
+    assert echoed.status_code == 200, echoed.text
+    choices = echoed.json()["choices"]
+    assert len(choices) == 3 and all(choice["text"].startswith(long_prompt) for choice in choices)
+    many = server.post("/v1/completions", json={"model": name, "prompt": ["hello"] * 64, "n": 2, "max_tokens": 4})
+    assert many.status_code == 200 and len(many.json()["choices"]) == 128, many.text
 
 
 class LargeRequest:
