@@ -248,6 +248,10 @@ def _resolve_kv_transfer(kv_transfer: KVTransferConfig | None, parallel: Paralle
             raise ValueError(f"--disaggregate needs --kv-transfer-config kv_role kv_both (or none), "
                              f"got {kv_transfer.kv_role}")
         kv_transfer = kv_transfer or KVTransferConfig(kv_role="kv_both")
+    elif kv_transfer is not None and kv_transfer.secret is None:
+        # Without it any client could name KV to read and addresses to connect to (README, Security).
+        raise ValueError("--kv-transfer-config between separate instances needs kv_connector_extra_config "
+                         "secret (the same on every instance and `fleet proxy --kv-transfer-secret`)")
     if kv_transfer is not None:
         kv_transfer.check(parallel.pipeline_parallel_size, parallel.distributed_executor_backend)
     return kv_transfer

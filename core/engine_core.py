@@ -19,6 +19,8 @@ import zmq
 
 from fleet.config.fleet import FleetConfig
 from fleet.core import ipc, processes, serial
+from fleet.core.dp_coordinator import relays_prompt_blocks
+from fleet.core.kv_release import KVReleaseSender
 from fleet.core.messages import (
     Abort,
     CoordinatorBroadcast,
@@ -41,9 +43,7 @@ from fleet.core.messages import (
     UtilityResult,
     WaveWakeUp,
 )
-from fleet.core.dp_coordinator import relays_prompt_blocks
 from fleet.core.node_plan import EngineCorePlan, StartupFacts
-from fleet.core.kv_transfer import usable
 from fleet.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,10 @@ IDLE_LIVENESS_CHECK_S = 0.5
 """How often an engine with nothing to do checks that its workers live."""
 ENGINE_BEAT_S = 0.5
 """How often an engine tells every client it lives (EngineAlive), busy or idle."""
+KV_RELEASES = -1
+"""The output queue's client for KV releases to prefill instances (sent by the output thread)."""
+MAX_RELEASE_BYTES = 4096
+"""Largest message the KV release socket takes (a KVRelease is about 40 bytes)."""
 
 
 class EngineCore:
@@ -73,14 +77,13 @@ class EngineCore:
             num_blocks=self.kv_capacity.num_blocks,
             eos_token_ids=config.model.eos_token_ids,
             sliding_window=config.model.sliding_window,
-            kv_hold_timeout_s=config.kv_transfer.hold_timeout_s if config.kv_transfer else 120.0,
+            kv_transfer=config.kv_transfer,
+            replica_size=config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size,
             speculative=config.speculative,
         )
         self.kv_release_address: str | None = None
         """Producer: where decode instances say they took a request's KV (bound by the process)."""
-        self._kv_release_pushes: dict[str, zmq.Socket] = {}
         self.client_of_request: dict[str, int] = {}
-        self._release_ctx = zmq.Context.instance()
         self.rejected: list[tuple[int, EngineCoreOutput]] = []
         self.new_prompt_blocks: list[bytes] | None = [] if relays_prompt_blocks(config, plan) else None
         """Prompt blocks taken since the last load() (EngineLoad.new_prompt_blocks); None: not reported."""
@@ -98,7 +101,7 @@ class EngineCore:
         """Queue a request; one the scheduler refuses is answered with an error
         output instead (front ends validate first, so this is a last guard)."""
         try:
-            added = self.scheduler.add_request(self._checked_kv_transfer(request))
+            added = self.scheduler.add_request(request)
         except ValueError as error:
             logger.warning("rejected request %s: %s", request.request_id, error)
             rejection = EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=str(error))
@@ -107,30 +110,6 @@ class EngineCore:
         self.client_of_request[request.request_id] = request.client_index
         if self.new_prompt_blocks is not None:
             self.new_prompt_blocks += added.block_hashes
-
-    def _checked_kv_transfer(self, request: EngineCoreRequest) -> EngineCoreRequest:
-        """Drop KV-transfer params this engine cannot follow (the front end refuses what a client may
-        not ask); a remote prefill it cannot load is computed here, and its prefill instance told."""
-        params = request.kv_transfer
-        if params is None:
-            return request
-        role = self.config.kv_transfer
-        produces = bool(role and role.is_producer)
-        params = msgspec.structs.replace(params, do_remote_decode=params.do_remote_decode and produces)
-        if params.do_remote_prefill:
-            replica_size = self.config.parallel.tensor_parallel_size * self.config.parallel.pipeline_parallel_size
-            why = usable(params, len(request.prompt_token_ids), self.config.cache.block_size, replica_size)
-            if why is None and not (role and role.is_consumer):
-                why = "this instance is no KV consumer (--kv-transfer-config kv_role)"
-            if why is None and (request.sampling_params.prompt_logprobs is not None or request.pooling is not None):
-                why = "prompt logprobs and embeddings need every prompt position computed here"
-            if why is not None:
-                logger.warning("request %s computes its prompt here: %s", request.request_id, why)
-                if params.remote_release_address and params.remote_request_id:
-                    self.scheduler.kv_releases.append((params.remote_release_address, params.remote_request_id))
-                params = msgspec.structs.replace(params, do_remote_prefill=False)
-        keep = params.do_remote_decode or params.do_remote_prefill
-        return msgspec.structs.replace(request, kv_transfer=params if keep else None)
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests([r for r in request_ids if r in self.client_of_request])
@@ -144,36 +123,25 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         # Workers must drop finished requests too; and lock-step replicas all
         # run every step, with no tokens if need be (see dp_coordinator.py).
-        workers_have_work = scheduler_output.num_scheduled_tokens or scheduler_output.finished_request_ids
+        workers_have_work = (scheduler_output.num_scheduled_tokens or scheduler_output.finished_request_ids
+                             or self.scheduler.kv_connector.loading)  # the workers say when pulls end
         if workers_have_work or self.config.parallel.replicas_step_together:
             result = self.executor.execute(scheduler_output)
         else:
             result = ModelRunnerOutput(step_id=scheduler_output.step_id, request_ids=[], sampled_token_ids=[])
         outputs = self.scheduler.update_from_output(scheduler_output, result)
-        self._send_kv_releases()
         for output in outputs:
             if output.kv_transfer is not None:
                 output.kv_transfer.remote_kv_addresses = self.executor.kv_export_addresses
                 output.kv_transfer.remote_release_address = self.kv_release_address
         return self._group_by_client(outputs)
 
-    def _send_kv_releases(self) -> None:
-        """Tell prefill instances that their KV was taken (never blocking: a dead one is not waited for)."""
-        releases, self.scheduler.kv_releases = self.scheduler.kv_releases, []
-        for address, request_id in releases:
-            push = self._kv_release_pushes.get(address)
-            if push is None:
-                push = ipc.make_socket(self._release_ctx, zmq.PUSH, connect=address)
-                push.setsockopt(zmq.LINGER, 0)
-                push.setsockopt(zmq.SNDHWM, 10_000)
-                self._kv_release_pushes[address] = push
-            try:
-                push.send(serial.encode(KVRelease(request_id)), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                logger.warning("could not tell %s that the KV of %s was taken", address, request_id)
+    def take_kv_releases(self) -> list[tuple[str, str]]:
+        """(release address, transfer id) to tell prefill instances (the process sends them, kv_release.py)."""
+        return self.scheduler.kv_connector.take_releases()
 
-    def release_kv(self, request_id: str) -> None:
-        self.scheduler.kv_exports.release(request_id)
+    def release_kv(self, transfer_id: str) -> None:
+        self.scheduler.kv_connector.release(transfer_id)
 
     def _group_by_client(self, outputs: list[EngineCoreOutput]) -> dict[int, EngineCoreOutputs]:
         now = time.time()
@@ -313,6 +281,9 @@ class EngineCoreProcess:
     def _step(self) -> None:
         for client, outputs in self.engine.step().items():
             self.outputs.put((client, outputs))
+        releases = self.engine.take_kv_releases()
+        if releases:
+            self.outputs.put((KV_RELEASES, releases))
         if self.info.plan.coordinator is not None:
             load = self.engine.load()
             if load != self.last_load or load.new_prompt_blocks:
@@ -354,8 +325,8 @@ class EngineCoreProcess:
                 self.engine.abort(ids)
             case UtilityCall(call_id=call_id, method=method, args=args, client_index=client):
                 self.outputs.put((client, self._utility(call_id, method, args)))
-            case KVRelease(request_id=request_id):
-                self.engine.release_kv(request_id)
+            case KVRelease(transfer_id=transfer_id):
+                self.engine.release_kv(transfer_id)
             case WaveWakeUp(step=step):
                 self.woken = self.woken or step == self.next_step  # else stale: we voted already
             case Shutdown():
@@ -376,6 +347,7 @@ class EngineCoreProcess:
         subscribers = []
         if self.info.config.kv_transfer is not None and self.info.config.kv_transfer.is_producer:
             releases = ipc.make_socket(self.ctx, zmq.PULL)
+            releases.setsockopt(zmq.MAXMSGSIZE, MAX_RELEASE_BYTES)  # anyone on the network may send here
             ipc.bind_tcp(releases, self.info.config.kv_transfer.kv_ip)
             self.engine.kv_release_address = releases.getsockopt_string(zmq.LAST_ENDPOINT)
             subscribers.append(releases)
@@ -395,6 +367,7 @@ class EngineCoreProcess:
             target=self._input_thread, args=(dealers, subscribers), name="engine-input", daemon=True
         ).start()
         self._pushes = pushes
+        self._kv_releases = KVReleaseSender(self.ctx)
         threading.Thread(target=self._output_thread, name="engine-output", daemon=True).start()
 
     def _pid_for_clients(self) -> int:
@@ -429,10 +402,14 @@ class EngineCoreProcess:
             else:
                 if message is None:
                     self.outputs.task_done()
+                    self._kv_releases.close()
                     return
-                data = serial.encode(message)
-                for push in self._pushes if client is None else [self._pushes[client]]:
-                    push.send(data)
+                if client == KV_RELEASES:
+                    self._kv_releases.send(message)
+                else:
+                    data = serial.encode(message)
+                    for push in self._pushes if client is None else [self._pushes[client]]:
+                        push.send(data)
                 self.outputs.task_done()
             if time.monotonic() >= next_beat:
                 for push in self._pushes:

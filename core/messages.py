@@ -26,8 +26,10 @@ class Struct(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
 
 
 class KVTransferParams(msgspec.Struct, omit_defaults=True):
-    """A request's part in prefill/decode disaggregation, as its HTTP body's
-    `kv_transfer_params` says it (a JSON object, so not array-like).
+    """A request's part in prefill/decode disaggregation (a JSON object, so not
+    array-like). Written only by fleet's own front end (--disaggregate) or by a
+    proxy that knows the instances' secret (frontend/kv_transfer_gate.py): never
+    taken from a client.
 
     To a prefill instance: do_remote_decode (compute the prompt, keep its KV
     for a decode instance). Back from it, on the finished request, and then to
@@ -35,11 +37,10 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True):
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
-    remote_request_id: str | None = None
-    """The prefill instance's engine request that holds the KV."""
-    remote_block_ids: list[int] = []
-    """Its blocks, in order: they hold the KV of remote_num_tokens tokens."""
+    transfer_id: str | None = None
+    """128 random bits (hex) naming the held KV: what a decode instance pulls and releases it by."""
     remote_num_tokens: int = 0
+    """Prompt tokens the prefill instance computed (the decode instance's prompt must be the same)."""
     remote_kv_addresses: list[str] = []
     """Where each of its workers serves its share of the KV, by rank in the replica."""
     remote_release_address: str | None = None
@@ -62,7 +63,7 @@ class EngineCoreRequest(Struct, tag=True):
     """The user request this is one of the n sequences of (n > 1); None: the request is its own.
     The scheduler shares the batch fairly between such groups (core/scheduler.py)."""
     kv_transfer: KVTransferParams | None = None
-    """Prefill/decode disaggregation (core/kv_transfer.py); None: an ordinary request."""
+    """Prefill/decode disaggregation (core/kv_connector.py); None: an ordinary request."""
 
 
 class Abort(Struct, tag=True):
@@ -209,17 +210,29 @@ class CachedRequestData(Struct):
     num_computed_tokens: int
 
 
+class KVExport(Struct):
+    """Prefill side: a finished request's blocks that a decode instance may pull."""
+
+    block_ids: list[int]
+    prompt_digest: bytes
+    """sha256 of the prompt's token ids: a pull for another prompt is refused."""
+
+
 class KVLoad(Struct):
-    """Pull a prompt's KV from a prefill instance's workers into local blocks."""
+    """Decode side: pull a prompt's KV from a prefill instance's workers into local blocks."""
 
     request_id: str
     block_ids: list[int]
     """Local blocks to fill, in order."""
-    remote_request_id: str
+    transfer_id: str
     remote_first_block: int
     """Index in the remote request's blocks of the one that fills block_ids[0]
     (the blocks before it were found in the local prefix cache)."""
     remote_kv_addresses: list[str]
+    prompt_digest: bytes
+    """sha256 of this request's prompt token ids: the prefill instance's must be the same."""
+    consumer_id: str
+    """This replica's random id: the first consumer to pull a transfer is the only one served it."""
 
 
 class SchedulerOutput(Struct, tag=True):
@@ -230,12 +243,12 @@ class SchedulerOutput(Struct, tag=True):
     """Tokens each request computes this step; its order is the batch order."""
     finished_request_ids: list[str]
     """Requests finished or preempted since the last SchedulerOutput: workers drop their state."""
-    kv_exports: dict[str, list[int]] = {}
-    """Prefill side: finished requests whose blocks now wait for a decode instance to pull them."""
+    kv_exports: dict[str, KVExport] = {}
+    """Prefill side, by transfer id: finished requests whose blocks now wait for a decode instance to pull them."""
     kv_export_releases: list[str] = []
-    """Prefill side: exports that end (pulled, or held too long): their blocks may be reused from this step on."""
+    """Prefill side: transfer ids that end (pulled, or held too long): their blocks may be reused from this step on."""
     kv_loads: list[KVLoad] = []
-    """Decode side: KV to pull from prefill instances before this step's forward."""
+    """Decode side: KV pulls to start. They run beside the steps; the requests wait (WAITING_FOR_REMOTE_KVS)."""
     spec_token_ids: dict[str, list[int]] = {}
     """Speculative decoding: draft tokens of requests, computed after their last token
     (they count in num_scheduled_tokens) and kept as far as the model agrees."""
@@ -271,8 +284,10 @@ class ModelRunnerOutput(Struct, tag=True):
     """Requests that could not sample this step, with why: they end with an error."""
     embeddings: dict[str, list[float]] = {}
     """Embedding requests whose prompt was completed this step: their pooled, L2-normalised final hidden state."""
+    kv_loads_done: list[str] = []
+    """Requests whose KV pull finished on every worker since the last step (their blocks hold it)."""
     kv_load_failed: dict[str, str] = {}
-    """KV loads of this step that failed on some worker, with why: those requests sampled nothing."""
+    """Requests whose KV pull ended since the last step and failed on some worker, with why."""
 
 
 class WorkerUtilityResult(Struct, tag=True):
@@ -375,26 +390,30 @@ Handshake = Ready | StartupFailed
 
 
 class KVRelease(Struct, tag=True):
-    """Decode engine core -> prefill engine core: the KV of `request_id` was
+    """Decode engine core -> prefill engine core: the KV of `transfer_id` was
     taken (or will not be): its blocks may go back to the pool."""
 
-    request_id: str
+    transfer_id: str
 
 
 class KVPull(Struct, tag=True):
     """Decode worker -> prefill worker of the same rank: send your share of the
-    KV of `request_id`'s blocks from `first_block` on."""
+    KV of `transfer_id`'s blocks [first_block, first_block + num_blocks)."""
 
-    transfer_id: int
-    request_id: str
+    pull_id: int
+    transfer_id: str
     first_block: int
+    num_blocks: int
+    prompt_digest: bytes
+    """The consumer's prompt (KVLoad.prompt_digest): it must be the one the producer computed."""
+    consumer_id: str
 
 
 class KVPullReply(Struct, tag=True):
     """Followed by one frame per layer: that layer's K and V of the blocks,
     [2, num_blocks, block_size, num_kv_heads, head_dim] in `dtype`, contiguous."""
 
-    transfer_id: int
+    pull_id: int
     error: str | None = None
     shape: list[int] = []
     dtype: str = ""

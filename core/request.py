@@ -34,6 +34,8 @@ class RequestStatus(enum.IntEnum):
     """Ordered so that `status > PREEMPTED` means finished."""
 
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    """Its blocks are allocated and its prompt's KV is being pulled from a prefill instance (core/kv_connector.py)."""
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -86,7 +88,7 @@ class Request:
         self.sampling_params: SamplingParams = core_request.sampling_params
         self.pooling: str | None = core_request.pooling
         self.kv_transfer: KVTransferParams | None = core_request.kv_transfer
-        """Prefill/decode disaggregation (core/kv_transfer.py); cleared once a remote prefill was used or given up."""
+        """Prefill/decode disaggregation (core/kv_connector.py); cleared once a remote prefill was used or given up."""
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -213,11 +215,36 @@ class Request:
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_BLOCK_HASH
             self.block_hashes.append(hash_block_tokens(parent, self._all_token_ids[start : start + size]))
 
+    def prompt_digest(self) -> bytes:
+        """sha256 of the prompt's token ids: a prefill and a decode instance agree on a prompt by it."""
+        return hashlib.sha256(array("q", self.prompt_token_ids).tobytes()).digest()
+
     # ---- lifecycle (called by the scheduler) -------------------------------------------
 
+    def wait_for_remote_kv(self, num_cached_tokens: int) -> None:
+        """Its blocks are allocated (the first `num_cached_tokens` from the local prefix cache);
+        the rest of its prompt's KV is being pulled."""
+        assert self.status == RequestStatus.WAITING, self
+        self.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.num_cached_tokens = num_cached_tokens
+
+    def remote_kv_arrived(self, num_tokens: int) -> None:
+        """The pull filled its blocks with the KV of its first `num_tokens` tokens."""
+        assert self.status == RequestStatus.WAITING_FOR_REMOTE_KVS, self
+        self.num_computed_tokens = num_tokens
+
+    def remote_kv_lost(self) -> None:
+        """The pull failed: its blocks were freed; it computes its prompt here."""
+        assert self.status == RequestStatus.WAITING_FOR_REMOTE_KVS, self
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.kv_transfer = None
+
     def start_running(self, num_computed_tokens: int) -> None:
-        """Admitted from the waiting queue with `num_computed_tokens` found in the prefix cache."""
-        assert self.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), self
+        """Admitted from the waiting queue with `num_computed_tokens` found in the prefix cache
+        (or pulled from a prefill instance)."""
+        assert self.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
+                               RequestStatus.WAITING_FOR_REMOTE_KVS), self
         if self.status == RequestStatus.WAITING:
             # Reported once: a recompute after preemption may hit its own blocks again.
             self.num_cached_tokens = num_computed_tokens

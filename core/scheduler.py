@@ -49,10 +49,11 @@ from collections.abc import Collection, Iterable
 import msgspec
 
 from fleet.config.cache import CacheConfig
+from fleet.config.kv_transfer import KVTransferConfig
 from fleet.config.scheduler import SchedulerConfig
 from fleet.config.speculative import SpeculativeConfig
 from fleet.core.kv_cache_manager import KVCacheManager
-from fleet.core.kv_transfer import KVExports, plan_load, remote_prefill
+from fleet.core.kv_connector import KVConnector, remote_prefill
 from fleet.core.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -109,7 +110,8 @@ class Scheduler:
         num_blocks: int,
         eos_token_ids: Collection[int],
         sliding_window: int | None = None,
-        kv_hold_timeout_s: float = 120.0,
+        kv_transfer: KVTransferConfig | None = None,
+        replica_size: int = 1,
         speculative: SpeculativeConfig | None = None,
     ):
         _check_configs(scheduler_config, cache_config, max_model_len, num_blocks)
@@ -132,12 +134,10 @@ class Scheduler:
         """Outputs of requests finished outside a step (aborts), sent with the next update."""
         self.step_counter = 0
         self.num_preemptions = 0
-        self.kv_exports = KVExports(self.kv_cache_manager.free, self.kv_cache_manager.get_block_ids, kv_hold_timeout_s)
-        """Prefill side of disaggregation: finished requests whose KV waits for a decode instance."""
-        self.kv_releases: list[tuple[str, str]] = []
-        """Decode side: (release address, remote request id) of remote KV used or given up, for the engine to send."""
-        self.kv_transfer_tokens = 0
-        self.kv_transfer_failures = 0
+        self.kv_connector = KVConnector(kv_transfer, self.kv_cache_manager, self.block_size, replica_size)
+        """Prefill/decode disaggregation: held exports, pulls in flight, releases to send."""
+        self.loaded: list[Request] = []
+        """Requests whose prompt's KV arrived from a prefill instance: admitted before the waiting queue."""
         self._last_stats = (0, 0, 0, 0, 0)
         self.proposer = NgramProposer(speculative) if speculative is not None else None
         """Speculative decoding: drafts for requests with one token left to compute."""
@@ -159,6 +159,7 @@ class Scheduler:
                 f"{request_id}: {num_prompt_tokens=} exceeds {self.max_num_batched_tokens=} with chunked prefill off"
             )
         block_size = self.block_size if self.kv_cache_manager.enable_caching else None
+        core_request = self.kv_connector.admit(core_request)
         request = Request(
             core_request, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, block_size=block_size
         )
@@ -175,26 +176,33 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
+            pulling = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and request not in self.loaded
             if request.status == RequestStatus.RUNNING:
                 self._remove_running(request)
-            else:
+            elif request in self.loaded:
+                self.loaded.remove(request)
+            elif not pulling:
                 self.waiting.remove(request)
-                self._give_up_remote_prefill(request)
+                self.kv_connector.give_up(request)
             request.finish(RequestStatus.FINISHED_ABORTED)
-            self._release(request)
+            if pulling:  # a worker may still write into its blocks: they are freed when the pull ends
+                del self.requests[request_id]
+            else:
+                self._release(request)
             self._pending_outputs.append(self._output(request, []))
 
     # ---- the scheduler output -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        self.kv_exports.expire()
+        self.kv_connector.exports.expire()
         step = StepBudget(token_budget=self.max_num_batched_tokens)
         made_room_for = self._preempt_for_fair_share(step)
         self._schedule_running(step)
+        self._schedule_loaded(step)
         self._schedule_waiting(step, made_room_for)
         self.step_counter += 1
         output = self._output_builder.build(self.step_counter, step)
-        output.kv_exports, output.kv_export_releases = self.kv_exports.take_changes()
+        output.kv_exports, output.kv_export_releases = self.kv_connector.exports.take_changes()
         return output
 
     def _preempt_for_fair_share(self, step: StepBudget) -> Request | None:
@@ -284,7 +292,7 @@ class Scheduler:
         `running[index:]`: requests scheduled earlier this step sit before it and are never the victim."""
         request = self.running[index]
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_block_ids = self._allocate(request, num_new_tokens)
             if new_block_ids is not None:
                 return new_block_ids
             victim = self._growth_victim(index)
@@ -313,7 +321,7 @@ class Scheduler:
                 break
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             if remote_prefill(request) is not None:
-                if not self._admit_with_remote_kv(request, computed_blocks, num_computed_tokens, step):
+                if not self._start_remote_load(request, computed_blocks, num_computed_tokens, step):
                     break
                 continue
             num_new_tokens = request.num_tokens - num_computed_tokens
@@ -321,7 +329,7 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new_tokens = step.token_budget
-            new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
+            new_block_ids = self._allocate(request, num_new_tokens, computed_blocks)
             if new_block_ids is None:
                 break
             self._start_running(request, num_computed_tokens, num_new_tokens, new_block_ids, step)
@@ -334,32 +342,48 @@ class Scheduler:
         self.waiting.started_running(request)
         step.add(request, num_new_tokens, new_block_ids)
 
-    def _admit_with_remote_kv(self, request: Request, computed_blocks: list, num_computed_tokens: int,
-                              step: StepBudget) -> bool:
-        """Admit the waiting head whose prompt a prefill instance computed: blocks for the whole
-        prompt, all but its last token pulled (a KVLoad in this step), the last computed here.
-        False: no room for its blocks (nothing changed)."""
+    def _allocate(self, request: Request, num_new_tokens: int, computed_blocks: list | None = None
+                  ) -> list[int] | None:
+        """allocate_slots, first freeing KV held for decode instances if that is what it takes:
+        this instance's own requests come before a transfer (whose consumer can compute it)."""
         kv = self.kv_cache_manager
-        new_block_ids = kv.allocate_slots(request, request.num_tokens - num_computed_tokens, computed_blocks)
+        while True:
+            new_block_ids = kv.allocate_slots(request, num_new_tokens, computed_blocks)
+            if new_block_ids is not None or not self.kv_connector.exports.release_oldest():
+                return new_block_ids
+
+    def _start_remote_load(self, request: Request, computed_blocks: list, num_computed_tokens: int,
+                           step: StepBudget) -> bool:
+        """The waiting head whose prompt a prefill instance computed: blocks for the whole prompt,
+        and a KVLoad that pulls all but its last token while it waits (or, when the local prefix
+        cache holds all of that, it runs at once). False: no room for its blocks (nothing changed)."""
+        kv = self.kv_cache_manager
+        new_block_ids = self._allocate(request, request.num_tokens - num_computed_tokens, computed_blocks)
         if new_block_ids is None:
             return False
-        load = plan_load(request, num_computed_tokens, self.block_size, kv.get_block_ids(request.request_id))
-        if load is None:  # the local prefix cache holds all of it
-            self._give_up_remote_prefill(request)
-            num_loaded = num_computed_tokens
-        else:
-            step.kv_loads.append(load)
-            num_loaded = request.num_prompt_tokens - 1
-        self._start_running(request, num_loaded, request.num_tokens - num_loaded, new_block_ids, step)
-        request.num_cached_tokens = num_computed_tokens
+        load = self.kv_connector.plan_load(request, num_computed_tokens, kv.get_block_ids(request.request_id))
+        if load is None:
+            self.kv_connector.give_up(request)
+            self._start_running(request, num_computed_tokens, request.num_tokens - num_computed_tokens,
+                                new_block_ids, step)
+            return True
+        self.waiting.pop()
+        self.kv_connector.start_load(request, num_computed_tokens)
+        step.kv_loads.append(load)
         return True
 
-    def _give_up_remote_prefill(self, request: Request) -> None:
-        """The request will not (or no longer) use its remote KV: the prefill instance may free it."""
-        params = remote_prefill(request)
-        if params is not None:
-            self.kv_releases.append((params.remote_release_address, params.remote_request_id))
-            request.kv_transfer = None
+    def _schedule_loaded(self, step: StepBudget) -> None:
+        """Requests whose pulled KV arrived: each computes its last prompt token, in arrival order."""
+        while self.loaded and len(self.running) < self.max_num_seqs:
+            request = self.loaded[0]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if num_new_tokens > step.token_budget:
+                return
+            self.loaded.pop(0)
+            request.start_running(request.num_computed_tokens)
+            self.running.append(request)
+            self.waiting.started_running(request)
+            step.add(request, num_new_tokens, self.kv_cache_manager.get_block_ids(request.request_id))
 
     def _admits_while_preempting(self, request: Request, step: StepBudget, made_room_for: Request | None) -> bool:
         """In a step that preempted, admitting would mostly thrash the cache: only the request fair
@@ -393,7 +417,7 @@ class Scheduler:
         assert runner_output.step_id == scheduler_output.step_id, (runner_output.step_id, scheduler_output.step_id)
         outputs, self._pending_outputs = self._pending_outputs, []
         sample_index = {request_id: index for index, request_id in enumerate(runner_output.request_ids)}
-        self._settle_kv_loads(scheduler_output, runner_output)
+        self._settle_kv_loads(runner_output)
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -414,8 +438,9 @@ class Scheduler:
             self.kv_cache_manager.cache_full_blocks(request)
             if request.is_finished:
                 self._remove_running(request)
-                if output is not None and self._exports_kv(request):
-                    output.kv_transfer = self.kv_exports.hold(request, self.block_size)
+                normal = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+                if output is not None and self.kv_connector.exports_kv(request, normal):
+                    output.kv_transfer = self.kv_connector.hold(request)
                     self._output_builder.forget(request_id)
                     del self.requests[request_id]
                 else:
@@ -424,30 +449,18 @@ class Scheduler:
                 outputs.append(output)
         return outputs
 
-    @staticmethod
-    def _exports_kv(request: Request) -> bool:
-        """A prefill instance's request that finished normally: a decode instance will pull its KV."""
-        params = request.kv_transfer
-        normal = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-        return params is not None and params.do_remote_decode and normal
-
-    def _settle_kv_loads(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
-        """The step's KV loads are done: the prefill instances may free them; a request whose load
-        failed computes its prompt here instead (its blocks hold nothing valid: none is cached)."""
-        for load in scheduler_output.kv_loads:
-            request = self.requests.get(load.request_id)
-            if request is None or remote_prefill(request) is None:
-                continue  # aborted while the step ran (and released then)
-            self._give_up_remote_prefill(request)
-            if load.request_id not in runner_output.kv_load_failed or request.status != RequestStatus.RUNNING:
-                self.kv_transfer_tokens += request.num_computed_tokens - request.num_cached_tokens
+    def _settle_kv_loads(self, runner_output: ModelRunnerOutput) -> None:
+        """Pulls that ended: a request whose KV arrived waits to compute its last prompt token; one
+        whose pull failed computes its prompt here (its blocks hold nothing valid: none is cached);
+        one aborted meanwhile gives its blocks back now that no worker writes into them."""
+        for request, arrived in self.kv_connector.finish_loads(runner_output):
+            if arrived:
+                self.loaded.append(request)
                 continue
-            self.kv_transfer_failures += 1
-            self._remove_running(request)
             self.kv_cache_manager.free(request)
-            request.preempt()
-            self.waiting.prepend(request)
-            self._output_builder.forget(request.request_id)
+            if not request.is_finished:
+                request.remote_kv_lost()
+                self.waiting.prepend(request)
 
     def _apply_sample(
         self, request: Request, runner_output: ModelRunnerOutput, index: int | None, num_drafts: int
@@ -495,11 +508,12 @@ class Scheduler:
     # ---- state -----------------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or pulls to see end (an aborted request's blocks wait for its pull)."""
+        return bool(self.requests) or bool(self.kv_connector.loading)
 
     def has_finished_requests(self) -> bool:
         """Finished ids or abort outputs not yet delivered: worth one more (empty) step."""
-        return self._output_builder.has_finished or bool(self._pending_outputs) or self.kv_exports.has_changes
+        return self._output_builder.has_finished or bool(self._pending_outputs) or self.kv_connector.has_changes
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -507,8 +521,9 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """Current occupancy, plus prefix-cache and preemption counts since the last call."""
         kv = self.kv_cache_manager
-        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions, self.kv_transfer_tokens,
-                  self.kv_transfer_failures)
+        connector = self.kv_connector
+        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits, self.num_preemptions, connector.num_loaded_tokens,
+                  connector.num_failures)
         queries, hits, preemptions, transfer_tokens, transfer_failures = (
             now - before for now, before in zip(totals, self._last_stats, strict=True))
         self._last_stats = totals
@@ -516,7 +531,7 @@ class Scheduler:
         self._last_spec_decode = msgspec.structs.replace(self.spec_decode_totals)
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.kv_connector.loading) + len(self.loaded),
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,

@@ -32,6 +32,7 @@ from fleet.frontend.async_engine import AsyncEngine, ServerStopping
 from fleet.frontend.engine_client import EngineDeadError
 from fleet.frontend.gatekeeper import Gatekeeper, error_body, error_response
 from fleet.frontend.http_protocol import guarded_protocol
+from fleet.frontend.kv_transfer_gate import check_kv_transfer_params
 from fleet.frontend.metrics import Metrics
 from fleet.frontend.openapi_errors import document_fleet_errors
 from fleet.frontend.protocol import (
@@ -79,8 +80,8 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox, respon
     docs = {} if not frontend.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="fleet", version=fleet.__version__, lifespan=lifespan, root_path=frontend.root_path or "",
                   **docs)
-    served_names = config.model.served_model_name or [config.model.model]
     document_fleet_errors(app)
+    served_names = config.model.served_model_name or [config.model.model]
     serving = Serving(engine, served_names[0], sandbox)
     responses = ResponsesServing(serving, store, engine.client_index, peers.get)
     metrics = engine.metrics
@@ -212,6 +213,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox, respon
         if not prompts:
             raise InvalidParameter("prompt", "the prompt is empty")
         serving.check_input_count(len(prompts), "prompt")
+        check_kv_transfer_params(body.kv_transfer_params, request.headers, config)
         prepared = await off_loop(serving.prepare_prompts, prompts, body, body.logprobs)
         if body.stream:
             return _stream(serving.completion_stream(body, prepared))
@@ -236,6 +238,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox, respon
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        check_kv_transfer_params(body.kv_transfer_params, request.headers, config)
         prepared, tools = await off_loop(lambda: serving.prepare_chat(body, logprobs))
         if body.stream:
             return _stream(serving.chat_stream(body, prepared, tools))

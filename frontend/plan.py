@@ -154,6 +154,9 @@ def _kv_transfer_summary(config: FleetConfig) -> dict[str, Any] | None:
     if config.kv_transfer is None:
         return None
     summary: dict[str, Any] = dataclasses.asdict(config.kv_transfer)
+    extra = summary["kv_connector_extra_config"]
+    if "secret" in extra:  # a plan is printed and logged: it says there is one, never what
+        summary["kv_connector_extra_config"] = {**extra, "secret": "<set>"}
     if config.parallel.disaggregation is not None:
         prefill = config.parallel.prefill_ranks()
         summary["prefill_replicas"] = prefill

@@ -153,7 +153,7 @@ class SamplingFields(RequestBody):
     prompt_logprobs: int | None = None
     """vLLM's: log-probabilities of the prompt's tokens (and this many alternatives)."""
     kv_transfer_params: dict[str, Any] | None = None
-    """vLLM's: prefill/decode disaggregation (core/kv_transfer.py), between a proxy and instances with --kv-transfer-config."""
+    """vLLM's: prefill/decode disaggregation (core/kv_connector.py), between a proxy and instances with --kv-transfer-config."""
     # Structured outputs: OpenAI's field, vLLM's, and vLLM's older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

@@ -13,8 +13,13 @@ Faults: a prefill instance that refuses the connection, fails or dies is
 marked down for DOWN_S and the next one is tried; with none left the request
 goes to a decode instance without params, which computes the prompt itself.
 A transfer that fails on the decode side falls back the same way there
-(core/kv_transfer.py). A client error (4xx) from a prefill instance is the
+(core/kv_connector.py). A client error (4xx) from a prefill instance is the
 answer: the decode instance would refuse the request alike.
+
+Trust: the instances take kv_transfer_params only with the secret of their
+--kv-transfer-config, which the proxy adds (--kv-transfer-secret) to the
+requests it builds; a client's own kv_transfer_params are a 400 here, and a
+client's copy of the secret header is dropped (frontend/kv_transfer_gate.py).
 """
 from __future__ import annotations
 
@@ -29,13 +34,16 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from fleet.frontend.kv_transfer_gate import SECRET_HEADER
+
 logger = logging.getLogger("fleet.proxy")
 
 DOWN_S = 5.0
 """How long an instance that failed is tried only after the others."""
 CONNECT_TIMEOUT_S = 5.0
 DISAGGREGATED_PATHS = ("/v1/completions", "/v1/chat/completions")
-HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive", SECRET_HEADER}
+"""Headers not forwarded as the client sent them (the secret header only the proxy writes)."""
 
 
 class Instances:
@@ -62,9 +70,10 @@ class Instances:
 
 
 class DisaggregationProxy:
-    def __init__(self, prefill_urls: list[str], decode_urls: list[str]):
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], kv_transfer_secret: str):
         if not prefill_urls or not decode_urls:
             raise ValueError("fleet proxy needs at least one --prefill URL and one --decode URL")
+        self.kv_transfer_secret = kv_transfer_secret
         self.prefill = Instances("prefill", prefill_urls)
         self.decode = Instances("decode", decode_urls)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
@@ -80,7 +89,9 @@ class DisaggregationProxy:
             return _error(400, f"the body is not JSON: {error}")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
-        headers = _forwarded_headers(request)
+        if body.get("kv_transfer_params") is not None:
+            return _error(400, "kv_transfer_params are the proxy's to write, not a client's", "kv_transfer_params")
+        headers = {**_forwarded_headers(request), SECRET_HEADER: self.kv_transfer_secret}
         params = None
         if _prefills_apart(body):
             prefill = await self._prefill(path, body, headers)
@@ -173,9 +184,9 @@ def _forwarded_headers(request: Request) -> dict[str, str]:
     return {name: value for name, value in request.headers.items() if name.lower() not in HOP_HEADERS}
 
 
-def _error(status: int, message: str) -> JSONResponse:
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "service_unavailable"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
 def build_proxy_app(proxy: DisaggregationProxy) -> FastAPI:
@@ -218,6 +229,9 @@ def proxy_parser() -> argparse.ArgumentParser:
                         help="Prefill instances (launched with --kv-transfer-config '{\"kv_role\": \"kv_producer\"}').")
     parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
                         help="Decode instances (launched with --kv-transfer-config '{\"kv_role\": \"kv_consumer\"}').")
+    parser.add_argument("--kv-transfer-secret", required=True, metavar="SECRET",
+                        help="The secret of the instances' --kv-transfer-config (kv_connector_extra_config secret): "
+                             "they take kv_transfer_params only with it.")
     parser.add_argument("--host", default="127.0.0.1", help="Address to serve on.")
     parser.add_argument("--port", type=int, default=8000, help="Port to serve on (0: a free one, logged).")
     return parser
@@ -231,7 +245,7 @@ def main(argv: list[str]) -> int:
     from fleet.core.processes import log_as
 
     log_as("fleet-proxy")
-    serve(DisaggregationProxy(args.prefill, args.decode), args.host, args.port)
+    serve(DisaggregationProxy(args.prefill, args.decode, args.kv_transfer_secret), args.host, args.port)
     return 0
 
 

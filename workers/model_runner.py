@@ -63,13 +63,15 @@ class ModelRunner:
         """Run one step. Every worker runs it (collectives need all of them);
         only the driver (tensor rank 0 of the last stage) returns an output."""
         self.states.apply(scheduler_output)
-        kv_load_failed = self.kv_transfer.step(scheduler_output, self.kv_caches) if self.kv_transfer else {}
-        output = self._execute(scheduler_output, kv_load_failed)
-        if output is not None and kv_load_failed:
-            output.kv_load_failed = kv_load_failed
+        loads_done, load_failed = [], {}
+        if self.kv_transfer is not None:
+            loads_done, load_failed = self.kv_transfer.step(scheduler_output, self.kv_caches)
+        output = self._execute(scheduler_output)
+        if output is not None:
+            output.kv_loads_done, output.kv_load_failed = loads_done, load_failed
         return output
 
-    def _execute(self, scheduler_output: SchedulerOutput, kv_load_failed: dict[str, str]) -> ModelRunnerOutput | None:
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         step_id = scheduler_output.step_id
         if not scheduler_output.num_scheduled_tokens and not self.forward_every_step:
             return ModelRunnerOutput(step_id=step_id, request_ids=[], sampled_token_ids=[]) if self.is_driver else None
@@ -87,8 +89,7 @@ class ModelRunner:
             return None
         prompt_logprobs = self._prompt_logprobs(batch, hidden)
         embeddings = self._pool(batch, hidden) if self.is_driver else {}
-        complete = [i for i, state in enumerate(batch.requests) if batch.attention.seq_lens_list[i] >= state.num_tokens
-                    and state.request_id not in kv_load_failed]  # its KV is garbage: it samples nothing
+        complete = [i for i, state in enumerate(batch.requests) if batch.attention.seq_lens_list[i] >= state.num_tokens]
         sampling = [i for i in complete if batch.requests[i].pooling is None]
         if not sampling:
             if not self.is_driver:

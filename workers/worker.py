@@ -72,7 +72,8 @@ class Worker:
 
             kv = config.kv_transfer
             port = kv.kv_port and kv.kv_port + plan.dp_rank * config.parallel.replica_size + rank
-            self.runner.kv_transfer = WorkerKVTransfer(kv, rank, port)
+            max_blocks = -(-config.model.max_model_len // config.cache.block_size)
+            self.runner.kv_transfer = WorkerKVTransfer(kv, rank, port, max_blocks)
         if self.device.type == "cpu":
             from fleet.kernels.cpu_extension import cpu_kernels
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fleet.config.cache import CacheConfig
+from fleet.config.kv_transfer import KVTransferConfig
 from fleet.config.scheduler import SchedulerConfig
 from fleet.config.speculative import SpeculativeConfig
 from fleet.core.messages import EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -36,6 +37,7 @@ def create_scheduler(
     max_model_len: int | None = None,
     eos_token_ids: tuple[int, ...] = (EOS_TOKEN_ID,),
     speculative: SpeculativeConfig | None = None,
+    kv_transfer: KVTransferConfig | None = None,
 ) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(
@@ -49,6 +51,7 @@ def create_scheduler(
         num_blocks=num_blocks,
         eos_token_ids=eos_token_ids,
         speculative=speculative,
+        kv_transfer=kv_transfer,
     )
     CREATED_SCHEDULERS.append(scheduler)
     return scheduler
