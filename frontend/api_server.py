@@ -322,14 +322,26 @@ def _stream(events) -> StreamingResponse:
 
 async def _unless_disconnected(work, request: Request):
     """Run a non-streaming request; if the client goes away, cancel it (which
-    aborts it in the engine) instead of computing an answer nobody reads."""
+    aborts it in the engine) instead of computing an answer nobody reads.
+
+    The route has read the whole body, so the next message on the ASGI receive
+    channel is the client's disconnect: waiting on it stops the request the
+    moment the client leaves, not at the next poll."""
     task = asyncio.ensure_future(work)
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            return Response(status_code=HTTPStatus.NO_CONTENT)
+    disconnect = asyncio.ensure_future(_client_disconnect(request))
+    try:
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+    if not task.done():
+        task.cancel()
+        return Response(status_code=HTTPStatus.NO_CONTENT)
     return task.result()
+
+
+async def _client_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # ---- the API server process ------------------------------------------------------------

@@ -68,8 +68,10 @@ def test_requests_still_running_when_the_drain_ends_get_an_error_not_a_cut(tiny_
     def in_flight() -> None:
         plain["response"] = server.post("/v1/completions", json=long)
 
-    def responses_stream_in_flight() -> None:  # its output is long by its schema: the random model cannot end it
-        schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1500}}, "required": ["s"]}
+    def responses_stream_in_flight() -> None:
+        # Its schema asks for more text than max_output_tokens can hold, so the random
+        # model cannot end it; the drain ends it (it would end "incomplete", not "failed").
+        schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 20000}}, "required": ["s"]}
         body = {"input": "hello", "max_output_tokens": 1900, "stream": True,
                 "text": {"format": {"type": "json_schema", "name": "long", "schema": schema}}}
         with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as response:
