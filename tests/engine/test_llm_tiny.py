@@ -148,8 +148,11 @@ def test_abort_frees_blocks_at_once(llm_and_model):
         target=lambda: result.update(out=llm.generate([prompt], SamplingParams(max_tokens=1500, ignore_eos=True), use_tqdm=False))
     )
     thread.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
     stats = llm.call_utility("kv_stats")
+    while time.monotonic() < deadline and stats["num_free_blocks"] == stats["num_blocks"]:
+        time.sleep(0.01)  # until the request runs: a poll, not a guess of how long that takes
+        stats = llm.call_utility("kv_stats")
     assert stats["num_free_blocks"] < stats["num_blocks"], "the request should be running"
     request_id = llm._requests.all()[0].output.request_id
     llm.abort(request_id)

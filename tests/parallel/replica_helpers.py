@@ -17,8 +17,10 @@ from fleet.tests.engine.helpers import random_prompts
 from fleet.tests.frontend.server import Server
 from fleet.tests.parallel.dp_helpers import expected_texts, per_engine
 
-STREAMED_TOKENS = 48
-"""Long enough that a replica dies with requests mid-stream; --max-num-seqs 2 keeps others waiting."""
+STREAMED_TOKENS = 96
+"""Long enough that a replica dies with requests mid-stream; --max-num-seqs 2 keeps others waiting.
+(48 was not: on a loaded machine, where one GET /metrics can take seconds, a
+replica's whole share of the 16 streams sometimes ended between two polls.)"""
 
 
 @dataclass
