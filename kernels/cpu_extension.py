@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in (
     "paged_attention_cpu.cpp", "elementwise_cpu.cpp", "linear_bf16_weight_cpu.cpp", "rotary_cache_cpu.cpp",
-    "gguf_linear_cpu.cpp", "gguf_kquant_cpu.cpp",
+    "gguf_linear_cpu.cpp", "gguf_kquant_cpu.cpp", "gguf_kquant_integer_cpu.cpp",
 )]
 _CFLAGS = ["-O3", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

@@ -15,15 +15,19 @@
 // 6) are exact in float32, so the weights are gguf-py's whatever the order
 // of the products: only Q4_K/Q5_K's subtraction of dmin m rounds, once.
 //
-// The multiply takes TILE output features at a time: per super-block, their
-// weights are dequantized into a float32 tile [TILE][256], rounded to x's
-// dtype as loading dequantized weights did, and multiplied against ROWS rows
-// of x at a time, accumulating in float32: the dequantized model's products,
-// summed in another order (LANES partial sums per row and feature, one
-// vector register wide, added up at the end). The code is plain C++ with
-// GCC's vector extension for those registers, so every CPU class compiles
-// the same code for its own -march: 4 lanes on x86-64 baseline (SSE2), 8
-// on AVX2, 16 on AVX-512.
+// The multiply has two paths. Steps of up to INTEGER_ROWS rows (decode,
+// small batches), on classes with AVX2, round x to Q8_K and multiply the
+// blocks' integers (gguf_kquant_integer_cpu.cpp). Larger steps, and every
+// step on class baseline, take TILE output features at a time: per
+// super-block, their weights are dequantized into a float32 tile [TILE][256],
+// rounded to x's dtype as loading dequantized weights did, and multiplied
+// against ROWS rows of x at a time, accumulating in float32: the dequantized
+// model's products, summed in another order (LANES partial sums per row and
+// feature, one vector register wide, added up at the end). The tile code is
+// plain C++ with GCC's vector extension for those registers, so every CPU
+// class compiles the same code for its own -march: 4 lanes on x86-64
+// baseline (SSE2), 8 on AVX2, 16 on AVX-512. gguf_kquant_linear_by names
+// the path (for tests and scripts/bench_gguf_kquant.py).
 //
 // Registered in torch.ops.fleet_cpu.
 #include <ATen/Parallel.h>
@@ -41,9 +45,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "gguf_kquant.h"
+
 namespace {
 
-constexpr int64_t SUPER = 256;  // weights per super-block, every type here
+using namespace fleet_kquant;
+
 constexpr int64_t TILE = 16;    // output features per tile
 constexpr int64_t ROWS = 4;     // rows of x per pass over a tile: their sums stay in registers
 // Partial sums per row and feature: one vector register of the class's
@@ -55,45 +62,6 @@ constexpr int64_t LANES = 8;
 #else
 constexpr int64_t LANES = 4;
 #endif
-
-enum KQuantType : int64_t { Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's GGMLQuantizationType values
-
-void check_type(int64_t type) {
-  TORCH_CHECK(type == Q4_K || type == Q5_K || type == Q6_K, "GGUF quantization type ", type,
-              " has no K-quant CPU kernel (Q4_K=12, Q5_K=13, Q6_K=14 do)");
-}
-
-constexpr int64_t block_bytes(int64_t type) { return type == Q4_K ? 144 : type == Q5_K ? 176 : 210; }
-
-template <typename F>
-void with_type(int64_t type, F&& f) {
-  check_type(type);
-  switch (type) {
-    case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
-    case Q5_K: f(std::integral_constant<int64_t, Q5_K>{}); break;
-    default: f(std::integral_constant<int64_t, Q6_K>{}); break;
-  }
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-}
-
-// The 6-bit scale and min of sub-block j (0..7) of Q4_K/Q5_K's 12 packed
-// bytes: bytes 0-3 hold the scales of 0-3 (and the top bits of 4-7's), 4-7
-// their mins (likewise), 8-11 the low 4 bits of 4-7's scale (low nibble)
-// and min (high nibble).
-inline void scale_and_min(const uint8_t* packed, int j, int& scale, int& min) {
-  if (j < 4) {
-    scale = packed[j] & 63;
-    min = packed[j + 4] & 63;
-  } else {
-    scale = (packed[j + 4] & 0xF) | ((packed[j - 4] >> 6) << 4);
-    min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
-  }
-}
 
 // Sub-block pairs of Q4_K/Q5_K: 32 bytes of nibbles hold sub-block 2c (low)
 // and 2c + 1 (high); Q5_K's bit j of fifth-bit byte l is weight l of sub-block j.
@@ -153,6 +121,17 @@ void dequantize_block(const uint8_t* block, float* out) {
 }
 
 // ---- the multiply ---------------------------------------------------------------------
+
+// Steps of up to this many rows (decode, small batches) round x to Q8_K and
+// multiply integers; larger ones (prefill) multiply the exact float32 tiles.
+// The bound is not speed: the integer path is the faster at every size
+// measured (1 thread, weights in L2, ns per super-block and row of x, Q4_K:
+// rows 8 / 32 / 128 take 2.6 / 2.6 / 2.7 integer vs 6.9 / 4.7 / 4.4 float
+// on this Zen 4's class; 3.6 / 3.5 / 3.6 vs 9.1 / 6.5 / 9.4 held to avx2;
+// Q5_K and Q6_K alike). It is where steps stop being decode, as
+// gguf_linear_cpu.cpp's Q8_ROWS: a prefill keeps the dequantized model's
+// products (transformers' logits) at ~1.7x the integer path's time.
+constexpr int64_t INTEGER_ROWS = 32;
 
 using Tile = float[TILE][SUPER];
 
@@ -253,12 +232,19 @@ void check_blocks(const at::Tensor& blocks, int64_t type, int64_t in_features) {
 }
 
 template <typename Model>
-at::Tensor multiply(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                    const std::optional<at::Tensor>& bias) {
+at::Tensor multiply(const at::Tensor& x, const at::Tensor& blocks, int64_t type, const std::optional<at::Tensor>& bias,
+                    bool integer) {
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const at::Tensor x_float = x.to(at::kFloat).contiguous();
   const Model* b = bias.has_value() && bias->defined() ? bias->data_ptr<Model>() : nullptr;
+#if FLEET_KQUANT_INTEGER
+  if (integer) {
+    integer_multiply<Model>(type, x_float.data_ptr<float>(), blocks.data_ptr<uint8_t>(), M, K, N, b,
+                            y.data_ptr<Model>());
+    return y;
+  }
+#endif
   with_type(type, [&](auto kind) {
     multiply_rows<decltype(kind)::value, Model>(x_float.data_ptr<float>(), blocks.data_ptr<uint8_t>(), M, K, N, b,
                                                 y.data_ptr<Model>());
@@ -266,8 +252,10 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
   return y;
 }
 
-at::Tensor gguf_kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t out_features,
-                              const std::optional<at::Tensor>& bias) {
+// y = x W^T (+ bias) by the path named: the integers of Q8_K-rounded x, or
+// the float32 tiles (gguf_kquant_linear chooses by the number of rows).
+at::Tensor gguf_kquant_linear_by(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t out_features,
+                                 const std::optional<at::Tensor>& bias, bool integer) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) && x.dim() == 2 &&
                   x.is_contiguous(),
@@ -278,11 +266,18 @@ at::Tensor gguf_kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int
   TORCH_CHECK(!(bias.has_value() && bias->defined()) ||
                   (bias->scalar_type() == dtype && bias->numel() == out_features && bias->is_contiguous()),
               "bias: contiguous [N] in x's dtype");
+  TORCH_CHECK(!integer || FLEET_KQUANT_INTEGER, "the K-quant integer path needs AVX2 (CPU class avx2 and up)");
   switch (dtype) {
-    case at::kFloat: return multiply<float>(x, blocks, type, bias);
-    case at::kBFloat16: return multiply<at::BFloat16>(x, blocks, type, bias);
-    default: return multiply<at::Half>(x, blocks, type, bias);
+    case at::kFloat: return multiply<float>(x, blocks, type, bias, integer);
+    case at::kBFloat16: return multiply<at::BFloat16>(x, blocks, type, bias, integer);
+    default: return multiply<at::Half>(x, blocks, type, bias, integer);
   }
+}
+
+at::Tensor gguf_kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t out_features,
+                              const std::optional<at::Tensor>& bias) {
+  const bool integer = FLEET_KQUANT_INTEGER && x.dim() == 2 && x.size(0) <= INTEGER_ROWS;
+  return gguf_kquant_linear_by(x, blocks, type, out_features, bias, integer);
 }
 
 // ---- rows of a table (embeddings) -----------------------------------------------------
@@ -330,10 +325,14 @@ at::Tensor gguf_kquant_rows(const at::Tensor& blocks, int64_t type, int64_t in_f
 
 TORCH_LIBRARY_FRAGMENT(fleet_cpu, m) {
   m.def("gguf_kquant_linear(Tensor x, Tensor blocks, int quant_type, int out_features, Tensor? bias) -> Tensor");
+  m.def(
+      "gguf_kquant_linear_by(Tensor x, Tensor blocks, int quant_type, int out_features, Tensor? bias, bool integer) "
+      "-> Tensor");
   m.def("gguf_kquant_rows(Tensor blocks, int quant_type, int in_features, Tensor ids, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fleet_cpu, CPU, m) {
   m.impl("gguf_kquant_linear", &gguf_kquant_linear);
+  m.impl("gguf_kquant_linear_by", &gguf_kquant_linear_by);
   m.impl("gguf_kquant_rows", &gguf_kquant_rows);
 }

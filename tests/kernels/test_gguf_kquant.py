@@ -8,12 +8,23 @@ gguf-py cannot quantize into K-quants, so the blocks are random bytes (every
 byte pattern of the quants and packed scales is valid) with small positive
 float16 d and dmin; gguf-py's `dequantize` is the reference.
 
-Tolerances: a float32 model multiplies the exact float32 weights, so only
-the order of the float32 sums differs (rtol 1e-5, atol 1e-4 for sums that
-cancel). A bfloat16 model multiplies the weights rounded to bfloat16, as
-loading dequantized weights did, in float32, and rounds the output to
-bfloat16: within 2^-8 of the float32 product of the same bfloat16 values
-(one rounding), plus 1e-3 absolute for outputs near zero."""
+The multiply has two paths. The float32 tiles (steps of more than
+INTEGER_ROWS rows, and every step on class baseline) multiply the exact
+float32 weights, so only the order of the float32 sums differs (rtol 1e-5,
+atol 1e-4 for sums that cancel; for larger x, 1e-5 of sum_k |w_k x_k|). The integer path (up to INTEGER_ROWS rows
+on class avx2 and up) first rounds each row of x to Q8_K: per 256 values
+d = max|x| / 127 and q = round(x / d), so each value moves by at most d / 2
+= max|x| / 254 of its super-block. Its integer sums are exact, so it gives
+the dequantized weights times the rounded x up to float32 rounding
+(within 1e-5 of sum_k |w_k| |d q_k|, the size of the sum's terms); against
+the unrounded x that adds at most sum_k |w_k| max|x|_b(k) / 254, the bound
+the tests hold it to (real errors, which cancel, are far smaller).
+
+A bfloat16 model multiplies the weights rounded to bfloat16 on the float32
+path, as loading dequantized weights did, and the exact weights times the
+rounded x on the integer path, and rounds the output to bfloat16: within
+2^-8 of the float32 product of the same values (one rounding), plus 1e-3
+absolute for outputs near zero."""
 from __future__ import annotations
 
 import gguf
@@ -21,11 +32,13 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.config.cpu_class import cpu_computes_bfloat16
+from fleet.config.cpu_class import CpuClass, cpu_class, cpu_computes_bfloat16
 from fleet.kernels.linear import AMX_BLOCK_ROWS, keep_amx_weights, linear
-from fleet.kernels.quantized import KEPT_TYPES, GGUFWeight, quantized_linear
+from fleet.kernels.quantized import KEPT_TYPES, GGUFWeight
 
 TYPES = ["Q4_K", "Q5_K", "Q6_K"]
+INTEGER_ROWS = 32
+"""Most rows the kernel takes through the integer path (csrc/gguf_kquant_cpu.cpp's INTEGER_ROWS)."""
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 """Where each type's float16 d (and dmin) sit in its super-block."""
 
@@ -61,17 +74,94 @@ def test_rows_are_gguf_py_dequantization(ops, kind, rows, columns):
     assert weight.is_kept and torch.equal(weight.dequantize(torch.float32), expected)
 
 
+def has_integer_path() -> bool:
+    return cpu_class() >= CpuClass.avx2
+
+
+def takes_integer_path(rows: int) -> bool:
+    """Whether gguf_kquant_linear rounds a step of `rows` rows to Q8_K here."""
+    return has_integer_path() and rows <= INTEGER_ROWS
+
+
+def q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [M, K] rounded to Q8_K as the kernel rounds it, in float64: d q; each
+    value's bound on its move, max|x| / 254 of its super-block)."""
+    blocks = x.float().reshape(x.shape[0], -1, 256)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0.0))  # float32, ties to even, as the kernel
+    rounded = q.double() * (amax / 127).double()
+    return rounded.reshape(x.shape), (amax.double() / 254).expand_as(blocks).reshape(x.shape)
+
+
+def assert_integer_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           rtol: float = 1e-5) -> None:
+    """`out` is the integer path's x W^T + bias: the rounded x's product within
+    rtol of its terms' size, and the unrounded x's within the rounding's bound."""
+    rounded, move = q8_k(x)
+    w = weight.double()
+    offset = 0 if bias is None else bias.double()
+    expected = rounded @ w.T + offset
+    terms = rounded.abs() @ w.abs().T
+    error = (out.double() - expected).abs()
+    assert (error <= rtol * terms + 1e-6).all(), (error / terms).max()
+    bound = move @ w.abs().T * (1 + 1e-5)
+    assert ((out.double() - (x.double() @ w.T + offset)).abs() <= bound + rtol * terms + 1e-6).all()
+
+
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+@pytest.mark.parametrize("rows", [1, 3, 8, 32, 33])
 @pytest.mark.parametrize("out_features,in_features", [(45, 256), (96, 768)])
 def test_float32_multiply_is_the_dequantized_weights_product(ops, kind, rows, out_features, in_features):
     blocks, weight = quantized(kind, out_features, in_features)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(2))
-    out = ops.gguf_kquant_linear(x, blocks, type_of(kind), out_features, bias)
-    torch.testing.assert_close(out, x @ weight.T + bias, rtol=1e-5, atol=1e-4)
-    unbiased = ops.gguf_kquant_linear(x, blocks, type_of(kind), out_features, None)
-    torch.testing.assert_close(unbiased, x @ weight.T, rtol=1e-5, atol=1e-4)
+    for b in (bias, None):
+        out = ops.gguf_kquant_linear(x, blocks, type_of(kind), out_features, b)
+        if takes_integer_path(rows):
+            assert_integer_product(out, x, weight, b)
+        else:
+            torch.testing.assert_close(out, x @ weight.T + (0 if b is None else b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not has_integer_path(), reason="the integer path needs CPU class avx2")
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 32, 40])
+@pytest.mark.parametrize("out_features,in_features", [(1, 256), (45, 256), (97, 1280)])
+def test_integer_path_is_the_rounded_x_product(ops, kind, rows, out_features, in_features):
+    """Each path by name, on both sides of INTEGER_ROWS: one super-block or
+    five per row, features not a multiple of any tile or task."""
+    blocks, weight = quantized(kind, out_features, in_features, seed=rows)
+    x = 3 * torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5))
+    out = ops.gguf_kquant_linear_by(x, blocks, type_of(kind), out_features, bias, True)
+    assert_integer_product(out, x, weight, bias)
+    exact = ops.gguf_kquant_linear_by(x, blocks, type_of(kind), out_features, bias, False)
+    expected = x.double() @ weight.double().T + bias.double()
+    assert ((exact.double() - expected).abs() <= 1e-5 * (x.double().abs() @ weight.double().abs().T) + 1e-6).all()
+    chosen = ops.gguf_kquant_linear(x, blocks, type_of(kind), out_features, bias)
+    assert torch.equal(chosen, out if rows <= INTEGER_ROWS else exact)
+
+
+@pytest.mark.skipif(not has_integer_path(), reason="the integer path needs CPU class avx2")
+def test_integer_path_rounds_each_super_block_alone(ops):
+    """A super-block of x holding NaN makes every output NaN; one of zeros
+    adds nothing, and large values in one do not coarsen the others."""
+    blocks, weight = quantized("Q4_K", 20, 768)
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(8))
+    x[0, 300] = float("nan")
+    x[1, :256] = 0
+    x[2, 512:] *= 1e4
+    out = ops.gguf_kquant_linear_by(x, blocks, type_of("Q4_K"), 20, None, True)
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+    assert_integer_product(out[1:], x[1:], weight, None)
+
+
+def test_integer_path_is_refused_without_avx2(ops):
+    if has_integer_path():
+        pytest.skip("this CPU class has the integer path")
+    blocks, _ = quantized("Q6_K", 4, 256)
+    with pytest.raises(RuntimeError, match="needs AVX2"):
+        ops.gguf_kquant_linear_by(torch.randn(1, 256), blocks, type_of("Q6_K"), 4, None, True)
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -83,7 +173,10 @@ def test_bfloat16_multiply_is_the_rounded_weights_product(ops, kind, rows):
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(4)).bfloat16()
     out = ops.gguf_kquant_linear(x, blocks, type_of(kind), out_features, bias)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    expected = x.float() @ weight.bfloat16().float().T + bias.float()
+    if takes_integer_path(rows):
+        expected = q8_k(x)[0].float() @ weight.T + bias.float()
+    else:
+        expected = x.float() @ weight.bfloat16().float().T + bias.float()
     torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3)
 
 

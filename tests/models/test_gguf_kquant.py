@@ -1,6 +1,8 @@
 """Tiny Llama, Qwen3 and Gemma 3 GGUFs of K-quants, mixed as llama.cpp's
 Q4_K_M mixes them, loaded by fleet in float32 with their K-quant weights kept
-in their super-blocks, vs transformers loading the same file (dequantized by gguf-py)."""
+in their super-blocks, vs transformers loading the same file (dequantized by gguf-py): a prefill
+longer than the kernel's INTEGER_ROWS gets its logits up to summation order, the decode steps after it
+(whose activations are rounded to Q8_K) within the rounding's reach."""
 from __future__ import annotations
 
 import os
@@ -126,10 +128,18 @@ def test_kept_k_quants_match_transformers(kquant_gguf: str) -> None:
         "model.layers.1.self_attn.qkv_proj.weight": Q4_K, "model.layers.1.self_attn.o_proj.weight": Q4_K,
         "model.layers.1.mlp.gate_up_proj.weight": Q5_K, "model.layers.1.mlp.down_proj.weight": Q4_K,
     }
-    block_size, num_tokens = 16, len(PROMPT)
+    # A prefill of more than INTEGER_ROWS tokens multiplies exact float32 tiles; the decode steps after it
+    # round their activations to Q8_K (on class avx2 and up).
+    prompt, decoded = PROMPT * 2, PROMPT[:3]
+    block_size, num_tokens = 16, len(prompt)
     kv_caches = [torch.zeros(2, 4, block_size, ours.num_kv_heads, ours.head_dim) for _ in range(ours.num_layers)]
-    meta = AttentionMetadata.build([num_tokens], [num_tokens], [[2, 1]], block_size)
-    logits = ours.compute_logits(ours(torch.tensor(PROMPT), torch.arange(num_tokens), kv_caches, meta))
+    tables = [[2, 1, 3]]
+    meta = AttentionMetadata.build([num_tokens], [num_tokens], tables, block_size)
+    logits = ours.compute_logits(ours(torch.tensor(prompt), torch.arange(num_tokens), kv_caches, meta))
+    steps = []
+    for position, token in enumerate(decoded, start=num_tokens):
+        meta = AttentionMetadata.build([1], [position + 1], tables, block_size)
+        steps.append(ours.compute_logits(ours(torch.tensor([token]), torch.tensor([position]), kv_caches, meta)))
 
     # transformers reads no head_dim from a qwen3 GGUF, and scales Gemma 3's queries by its config's default
     # (fleet, as llama.cpp, by head_dim)
@@ -140,9 +150,14 @@ def test_kept_k_quants_match_transformers(kquant_gguf: str) -> None:
     ).eval()
     if gemma:
         assert hf.config.sliding_window == GEMMA3_WINDOW < len(PROMPT)
-    expected = hf(torch.tensor([PROMPT])).logits[0]
+    expected = hf(torch.tensor([prompt + decoded])).logits[0]
     assert expected.abs().max() > 0.5  # the comparison is not of near-zero logits
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, expected[:num_tokens], atol=1e-4, rtol=1e-4)
+    # Each decode step rounds the activations of nine matmuls (four a layer and the head), each value by up to
+    # 1/254 of its super-block's largest: about 1 % of the largest logit here. A wrong scale or offset moves
+    # the logits by their own size.
+    decode_error = (torch.cat(steps) - expected[num_tokens:]).abs().max(dim=1).values
+    assert (decode_error <= 0.03 * expected[num_tokens:].abs().max(dim=1).values).all(), decode_error
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
