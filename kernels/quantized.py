@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from fleet.kernels.cpu_extension import cpu_kernels
-from fleet.kernels.gguf_types import K_QUANTS, KEPT_TYPES, TRITON_TYPES, keeps_type
+from fleet.kernels.gguf_types import K_QUANTS, KEPT_TYPES, TRITON_TYPES, TypeHolding, keeps_type, type_name
 
 
 @dataclass
@@ -267,3 +267,24 @@ def pack_kept_weights(model: nn.Module) -> None:
 def _packed(rows: torch.Tensor, gguf_type: int, columns: int) -> torch.Tensor:
     return rows if gguf_type in K_QUANTS else cpu_kernels().gguf_pack(rows, gguf_type, columns)
 
+
+_FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+"""A GGUF file's float tensors' torch dtype -> GGML type."""
+
+
+def loaded_holding(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> dict[str, TypeHolding]:
+    """GGUF type name -> how `model`, loaded, holds the file's tensors `weights`
+    of that type: kept in their blocks (a uint8 parameter, or a part of one),
+    or as its dtype. Tensors of another pipeline stage are not counted."""
+    params = dict(model.named_parameters())
+    holding: dict[str, TypeHolding] = {}
+    for hf_name, weight in weights:
+        param = params.get(model.param_name(hf_name)[0])
+        if param is None:
+            continue
+        if isinstance(weight, GGUFWeight):
+            gguf_type, count, nbytes = weight.gguf_type, weight.shape[0] * weight.shape[1], weight.data.nbytes
+        else:
+            gguf_type, count, nbytes = _FLOAT_TYPES[weight.dtype], weight.numel(), weight.nbytes
+        holding.setdefault(type_name(gguf_type), TypeHolding()).add(count, nbytes, param.dtype == torch.uint8)
+    return holding

@@ -148,3 +148,26 @@ def test_kept_types_match_transformers(types_gguf: tuple[str, str]) -> None:
     error = (decoded[0] - expected[-1]).abs().max()
     assert error <= 0.04 * expected[-1].abs().max(), error
 
+
+def test_the_plan_counts_the_tensors_as_the_worker_holds_them(types_gguf: tuple[str, str]) -> None:
+    """`fleet plan` (workers/memory.py, from the file's tensor index) says per
+    type how the worker will hold the tensors, as the loaded model does
+    (`gguf_holding`, what its start-up line lists), and counts their bytes
+    for the weights: with every type kept, within 10 % of the file's tensor
+    bytes (and of the loaded parameters' either way)."""
+    from fleet.config import EngineArgs
+    from fleet.workers.gguf_file import read_gguf_tensors
+    from fleet.workers.memory import gguf_holding, worker_weight_bytes
+
+    name, path = types_gguf
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernel extension cannot be built here")
+    config = EngineArgs(model=path, device="cpu", dtype="float32").create_config()
+    ours = load_model(config.model, config.load, torch.float32, torch.device("cpu"))
+    assert gguf_holding(config) == ours.gguf_holding
+    kept = config.model.keeps_gguf_blocks("cpu")
+    assert all(held.dequantized == 0 for type_name, held in ours.gguf_holding.items() if type_name != "F32") == kept
+    planned = worker_weight_bytes(config)
+    assert planned == pytest.approx(sum(p.nbytes for p in ours.parameters()), rel=0.1)
+    if kept:
+        assert planned == pytest.approx(sum(t.data.nbytes for t in read_gguf_tensors(path)), rel=0.1)
