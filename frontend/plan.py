@@ -31,7 +31,7 @@ from fleet.parallel.dims import (
     runs_api_servers,
     runs_dp_coordinator,
 )
-from fleet.workers.memory import node_memory
+from fleet.workers.memory import gguf_holding_summary, node_memory
 
 
 def is_single_launch(parallel: ParallelConfig) -> bool:
@@ -140,6 +140,7 @@ def describe(config: FleetConfig, plan: NodePlan) -> dict[str, Any]:
         "scheduler": dataclasses.asdict(config.scheduler),
         "cache": dataclasses.asdict(config.cache),
         "memory": _memory_summary(config),
+        "gguf_weights": gguf_holding_summary(config),
         "device": {**dataclasses.asdict(config.device), "distributed_backend": config.device.distributed_backend},
         "cpu": cpu_paths(config.model) if config.device.device == "cpu" else None,
         "load": dataclasses.asdict(config.load),

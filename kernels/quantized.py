@@ -1,6 +1,7 @@
-"""GGUF weights kept in their quantized blocks: Q4_0, Q4_1, Q8_0 (blocks of
-32 weights) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks of 256, what a
-Q4_K_M file holds).
+"""GGUF weights kept in their quantized blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+IQ4_NL (blocks of 32 weights) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks
+of 256, what a Q4_K_M file holds, with Q5_0 / Q8_0 where a row is not a
+multiple of 256); kernels/gguf_types.py lists them.
 
 A GGUF file's tensors reach the model's loaders as `GGUFWeight`s: the
 file's bytes, one row of blocks per output feature, sliced like the float
@@ -11,14 +12,21 @@ quantized into a uint8 parameter of those bytes before loading
 for); the loaders then copy bytes. On a CPU `pack_kept_weights` rearranges
 the 32-weight types into the panels that `csrc/gguf_linear_cpu.cpp` reads,
 while the K-quants stay as the file rows them, for
-`csrc/gguf_kquant_cpu.cpp`; on CUDA only the 32-weight types are kept, as
-the file rows them, for `triton_ops.gguf_linear`, which reads no K-quants:
-CUDA dequantizes those at load. `linear` (kernels/linear.py) and the
-embedding call `quantized_linear` and `quantized_embedding`. The default
-model, SmolLM2-135M Q4_1, then holds 92 MiB of weights instead of 260 MiB
-of bfloat16 plus its bfloat16 decode copy. Everything else (other
-quantization types, a tensor-parallel slice that splits a block, a fused
-projection whose parts have different types, K-quants on CUDA) is
+`csrc/gguf_kquant_cpu.cpp`; on CUDA only Q4_0, Q4_1 and Q8_0 are kept
+(TRITON_TYPES), as the file rows them, for `triton_ops.gguf_linear`, which
+reads no others: CUDA dequantizes those at load. `linear`
+(kernels/linear.py) and the embedding call `quantized_linear` and
+`quantized_embedding`. The default model, SmolLM2-135M Q4_1, then holds 92
+MiB of weights instead of 260 MiB of bfloat16 plus its bfloat16 decode copy.
+
+A fused projection (qkv_proj, gate_up_proj) whose parts are of different
+kept types (Q4_K_M's Q4_K q/k beside a Q6_K v) keeps each run of rows of one
+type as its own part: one uint8 parameter holds all their bytes, and
+`param.gguf_parts` are views of it, each with its `gguf_type`,
+`gguf_shape` and `gguf_rows` (its rows of the fused output);
+`quantized_linear` multiplies each part into its slice of the output.
+Everything else (other quantization types, a tensor-parallel slice that
+splits a block, a fused projection with a part of an unkept type) is
 dequantized at load into gguf-py's values.
 """
 from __future__ import annotations
@@ -26,36 +34,14 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from fleet.kernels.cpu_extension import cpu_kernels
-
-
-class BlockFormat(NamedTuple):
-    """How a GGUF quantization type stores its weights."""
-
-    name: str
-    nbytes: int
-    """Bytes per block."""
-    weights: int
-    """Weights per block."""
-
-
-KEPT_TYPES = {
-    2: BlockFormat("Q4_0", 18, 32), 3: BlockFormat("Q4_1", 20, 32), 8: BlockFormat("Q8_0", 34, 32),
-    12: BlockFormat("Q4_K", 144, 256), 13: BlockFormat("Q5_K", 176, 256), 14: BlockFormat("Q6_K", 210, 256),
-}
-"""GGML quantization type -> its blocks, for the types the kernels multiply
-(triton_ops reads a 32-weight type's bytes per block as `KEPT_TYPES[type][1]`)."""
-
-K_QUANTS = frozenset({12, 13, 14})
-"""The kept types in 256-weight super-blocks: multiplied on a CPU only
-(csrc/gguf_kquant_cpu.cpp), in the file's rows. The Triton kernel reads only
-the 32-weight types, so CUDA dequantizes these at load."""
+from fleet.kernels.gguf_types import K_QUANTS, KEPT_TYPES, TRITON_TYPES, TypeHolding, keeps_type, type_name
 
 
 @dataclass
@@ -70,8 +56,12 @@ class GGUFWeight:
 
     @property
     def is_kept(self) -> bool:
-        """Whether a CPU kernel can multiply these blocks as they are (on CUDA only the 32-weight types)."""
-        return self.gguf_type in KEPT_TYPES and self.shape[1] % KEPT_TYPES[self.gguf_type].weights == 0
+        """Whether a CPU kernel can multiply these blocks as they are (`keeps_on` says for CUDA)."""
+        return self.keeps_on("cpu")
+
+    def keeps_on(self, device: str) -> bool:
+        """Whether a kernel of `device` ("cpu", "cuda") multiplies these blocks as they are."""
+        return keeps_type(self.gguf_type, self.shape[1], device)
 
     def __getitem__(self, index: Any) -> GGUFWeight | torch.Tensor:
         """Rows `[a:b]`, or columns `[:, a:b]`: blocks when the columns are whole
@@ -89,8 +79,8 @@ class GGUFWeight:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The float tensor these blocks stand for, in `dtype`: gguf-py's values
-        (computed by gguf-py itself for the K-quants and unkept types)."""
-        if self.gguf_type in KEPT_TYPES and self.gguf_type not in K_QUANTS:
+        (computed by gguf-py itself for the types dequantize_rows does not read)."""
+        if self.gguf_type in TRITON_TYPES:
             return dequantize_rows(self.data, self.gguf_type, self.shape[1], dtype)
         import gguf  # deferred: only GGUF models need it
 
@@ -99,9 +89,9 @@ class GGUFWeight:
 
 
 def dequantize_rows(rows: torch.Tensor, gguf_type: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of a 32-weight type's blocks (uint8 [T, bytes], any device) -> [T,
-    columns] in `dtype`, as gguf-py computes them: d * q is exact in float32,
-    so adding m rounds once."""
+    """Rows of Q4_0, Q4_1 or Q8_0 blocks (TRITON_TYPES: the types CUDA keeps;
+    uint8 [T, bytes], any device) -> [T, columns] in `dtype`, as gguf-py
+    computes them: d * q is exact in float32, so adding m rounds once."""
     name, nbytes, block = KEPT_TYPES[gguf_type]
     blocks = rows.reshape(rows.shape[0], columns // block, nbytes)
     scale = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [T, blocks, 1]
@@ -128,7 +118,12 @@ def copy_weight(dst: torch.Tensor, src: Any) -> torch.Tensor:
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] -> [..., N] for a kept weight: on a CPU its blocks packed in
     panels (gguf_linear) or, for a K-quant, the file's rows of super-blocks
-    (gguf_kquant_linear); on CUDA the file's rows of blocks (Triton)."""
+    (gguf_kquant_linear); on CUDA the file's rows of blocks (Triton). A weight
+    of parts multiplies each into its slice of the output."""
+    parts = getattr(weight, "gguf_parts", None)
+    if parts is not None:
+        return torch.cat([quantized_linear(x, part, None if bias is None else bias[slice(*part.gguf_rows)])
+                          for part in parts], dim=-1)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if weight.is_cuda:
         from fleet.kernels import triton_ops
@@ -150,6 +145,9 @@ def quantized_embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dt
 
 def dequantize_kept(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The whole float weight [N, K] that a kept CPU weight stands for, in `dtype`."""
+    parts = getattr(weight, "gguf_parts", None)
+    if parts is not None:
+        return torch.cat([dequantize_kept(part, dtype) for part in parts])
     return _cpu_rows(weight, torch.arange(weight.gguf_shape[0]), dtype)
 
 
@@ -160,46 +158,133 @@ def _cpu_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> to
     return cpu_kernels().gguf_rows(weight, weight.gguf_type, weight.gguf_shape[1], ids, dtype)
 
 
+def kept_rows(param: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """Where a loader copies rows [start, start + size) of `param`: its data's
+    rows, or, for a weight of parts, those of the part that holds them."""
+    for part in getattr(param, "gguf_parts", ()):
+        first, stop = part.gguf_rows
+        if first <= start < stop:
+            assert start + size <= stop, f"rows {start}..{start + size} cross parts of {param.gguf_shape}"
+            return part[start - first : start - first + size]
+    return param.data[start : start + size]
+
+
 def keep_quantized(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> int:
     """Turn into uint8 block parameters the weights of `model` that can stay
     quantized: those of its linear and embedding layers (modules with a true
     `keeps_gguf_blocks`) whose checkpoint tensors (several for a fused
-    projection) are all of one kept type, with whole blocks per rank; on
-    CUDA not the K-quants, which its kernel does not read. The parameter
-    objects stay the same (a tied LM head keeps its tie). Returns the number
-    of parameters turned."""
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    if on_cpu and cpu_kernels() is None:
+    projection) are all of kept types, with whole blocks per rank; on CUDA
+    only TRITON_TYPES, which its kernel reads. A fused projection whose parts
+    differ in type keeps them as parts of one parameter (`gguf_parts`). The
+    parameter objects stay the same (a tied LM head keeps its tie). Returns
+    the number of parameters turned."""
+    device = next(model.parameters()).device.type
+    if device == "cpu" and cpu_kernels() is None:
         return 0
-    types: dict[str, set[int | None]] = defaultdict(set)
+    shards: dict[str, dict[Any, int | None]] = defaultdict(dict)  # param name -> shard id -> kept type or None
+    rows_of: dict[tuple[str, Any], int] = {}
     for hf_name, weight in weights:
-        name, _ = model.param_name(hf_name)
-        kept = isinstance(weight, GGUFWeight) and weight.is_kept and (on_cpu or weight.gguf_type not in K_QUANTS)
-        types[name].add(weight.gguf_type if kept else None)
+        name, shard_id = model.param_name(hf_name)
+        kept = isinstance(weight, GGUFWeight) and weight.keeps_on(device)
+        shards[name][shard_id] = weight.gguf_type if kept else None
+        rows_of[name, shard_id] = weight.shape[0] if isinstance(weight, GGUFWeight) else None
     turned = 0
     for module_name, module in model.named_modules():
         param = getattr(module, "weight", None) if getattr(module, "keeps_gguf_blocks", False) else None
-        kinds = types.get(f"{module_name}.weight" if module_name else "weight", {None})
-        if param is None or param.dtype == torch.uint8 or len(kinds) != 1 or None in kinds:
+        name = f"{module_name}.weight" if module_name else "weight"
+        types = shards.get(name, {None: None})
+        if param is None or param.dtype == torch.uint8 or None in types.values():
             continue
-        (gguf_type,) = kinds
         rows, columns = param.shape
-        block = KEPT_TYPES[gguf_type]
-        if columns % block.weights:
+        if any(columns % KEPT_TYPES[gguf_type].weights for gguf_type in types.values()):
             continue
-        param.data = torch.empty(rows, columns // block.weights * block.nbytes, dtype=torch.uint8,
-                                 device=param.device)
-        param.gguf_type, param.gguf_shape = gguf_type, (rows, columns)
+        if len(set(types.values())) == 1:
+            (gguf_type,) = set(types.values())
+            param.data = torch.empty(rows, _row_bytes(gguf_type, columns), dtype=torch.uint8, device=param.device)
+            param.gguf_type = gguf_type
+        else:
+            runs = _runs_of_one_type(module, {shard: (gguf_type, rows_of[name, shard])
+                                              for shard, gguf_type in types.items()})
+            _hold_parts(param, [torch.empty(b - a, _row_bytes(t, columns), dtype=torch.uint8) for t, (a, b) in runs],
+                        [t for t, _ in runs], [rows_range for _, rows_range in runs], columns)
+        param.gguf_shape = (rows, columns)
         turned += 1
     return turned
 
 
+def _row_bytes(gguf_type: int, columns: int) -> int:
+    block = KEPT_TYPES[gguf_type]
+    return columns // block.weights * block.nbytes
+
+
+def _runs_of_one_type(module: nn.Module, shards: dict[Any, tuple[int, int]]) -> list[tuple[int, tuple[int, int]]]:
+    """(type, (first row, row past the run)) of each run of a fused layer's rows
+    whose shards (shard id -> (type, checkpoint rows)) have one type, in row order."""
+    assert None not in shards, "a fused checkpoint tensor has one type"
+    spans = []
+    for shard_id, (gguf_type, loaded_rows) in shards.items():
+        ((start, size, _),) = module.row_copies(loaded_rows, shard_id)
+        spans.append((start, start + size, gguf_type))
+    runs: list[tuple[int, tuple[int, int]]] = []
+    for start, stop, gguf_type in sorted(spans):
+        if runs and runs[-1][0] == gguf_type and runs[-1][1][1] == start:
+            runs[-1] = (gguf_type, (runs[-1][1][0], stop))
+        else:
+            assert not runs or runs[-1][1][1] == start, f"shards leave rows {runs[-1][1][1]}..{start} empty"
+            runs.append((gguf_type, (start, stop)))
+    return runs
+
+
+def _hold_parts(param: torch.Tensor, parts: list[torch.Tensor], types: list[int], rows: list[tuple[int, int]],
+                columns: int) -> None:
+    """Make `param` one uint8 buffer of the parts' bytes, side by side, and
+    `param.gguf_parts` views of it shaped as the parts."""
+    param.data = torch.cat([part.reshape(-1) for part in parts]).to(param.device)
+    param.gguf_type, param.gguf_parts, offset = None, [], 0
+    for part, gguf_type, (first, stop) in zip(parts, types, rows, strict=True):
+        view = param.data[offset : offset + part.numel()].view(part.shape)
+        view.gguf_type, view.gguf_shape, view.gguf_rows = gguf_type, (stop - first, columns), (first, stop)
+        param.gguf_parts.append(view)
+        offset += part.numel()
+
+
 def pack_kept_weights(model: nn.Module) -> None:
-    """After loading: rearrange every kept CPU weight of a 32-weight type,
-    copied as the file rows it, into the panels its kernel reads
-    (csrc/gguf_linear_cpu.cpp). K-quants stay in the file's rows, which
+    """After loading: rearrange every kept CPU weight of a 32-weight type
+    (or part of one), copied as the file rows it, into the panels its kernel
+    reads (csrc/gguf_linear_cpu.cpp). K-quants stay in the file's rows, which
     csrc/gguf_kquant_cpu.cpp reads, and so do CUDA weights, for Triton."""
     for param in model.parameters():
-        kept = param.dtype == torch.uint8 and hasattr(param, "gguf_type")
-        if kept and param.device.type == "cpu" and param.gguf_type not in K_QUANTS:
-            param.data = cpu_kernels().gguf_pack(param.data, param.gguf_type, param.gguf_shape[1])
+        if param.dtype != torch.uint8 or not hasattr(param, "gguf_type") or param.device.type != "cpu":
+            continue
+        parts = getattr(param, "gguf_parts", None)
+        if parts is None:
+            param.data = _packed(param.data, param.gguf_type, param.gguf_shape[1])
+        else:
+            _hold_parts(param, [_packed(part, part.gguf_type, param.gguf_shape[1]) for part in parts],
+                        [part.gguf_type for part in parts], [part.gguf_rows for part in parts], param.gguf_shape[1])
+
+
+def _packed(rows: torch.Tensor, gguf_type: int, columns: int) -> torch.Tensor:
+    return rows if gguf_type in K_QUANTS else cpu_kernels().gguf_pack(rows, gguf_type, columns)
+
+
+_FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+"""A GGUF file's float tensors' torch dtype -> GGML type."""
+
+
+def loaded_holding(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> dict[str, TypeHolding]:
+    """GGUF type name -> how `model`, loaded, holds the file's tensors `weights`
+    of that type: kept in their blocks (a uint8 parameter, or a part of one),
+    or as its dtype. Tensors of another pipeline stage are not counted."""
+    params = dict(model.named_parameters())
+    holding: dict[str, TypeHolding] = {}
+    for hf_name, weight in weights:
+        param = params.get(model.param_name(hf_name)[0])
+        if param is None:
+            continue
+        if isinstance(weight, GGUFWeight):
+            gguf_type, count, nbytes = weight.gguf_type, weight.shape[0] * weight.shape[1], weight.data.nbytes
+        else:
+            gguf_type, count, nbytes = _FLOAT_TYPES[weight.dtype], weight.numel(), weight.nbytes
+        holding.setdefault(type_name(gguf_type), TypeHolding()).add(count, nbytes, param.dtype == torch.uint8)
+    return holding

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleet.kernels.linear import linear
-from fleet.kernels.quantized import copy_weight, quantized_embedding
+from fleet.kernels.quantized import copy_weight, kept_rows, quantized_embedding
 from fleet.parallel.comm import get_tp_group
 
 WeightLoader = Callable[..., None]
@@ -78,12 +78,13 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
         """Weight [out, in] or bias [out]: read this rank's block of rows."""
-        for dst_start, size, src_start in self._row_copies(shape_of(loaded)[0], shard_id):
-            _copy_into(param.data[dst_start : dst_start + size], loaded[src_start : src_start + size],
+        for dst_start, size, src_start in self.row_copies(shape_of(loaded)[0], shard_id):
+            _copy_into(kept_rows(param, dst_start, size), loaded[src_start : src_start + size],
                        f"{type(self).__name__} shard {shard_id}")
 
-    def _row_copies(self, loaded_rows: int, shard_id: Any) -> list[tuple[int, int, int]]:
-        """(dst_start, num_rows, src_start) of each block of rows to copy."""
+    def row_copies(self, loaded_rows: int, shard_id: Any) -> list[tuple[int, int, int]]:
+        """(dst_start, num_rows, src_start) of each block of rows to copy
+        (kernels/quantized.py reads it too, to keep parts of differing types apart)."""
         _check_rows(loaded_rows, self.output_size, type(self).__name__)
         rows = self.output_size_per_rank
         return [(0, rows, self.tp.rank * rows)]
@@ -108,7 +109,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             _divide(size, tp_size, f"{type(self).__name__} output size")
         super().__init__(input_size, sum(output_sizes), bias, dtype=dtype, device=device)
 
-    def _row_copies(self, loaded_rows: int, shard_id: int | None) -> list[tuple[int, int, int]]:
+    def row_copies(self, loaded_rows: int, shard_id: int | None) -> list[tuple[int, int, int]]:
         fused = shard_id is None  # the checkpoint already holds all projections stacked
         ids = range(len(self.output_sizes)) if fused else [shard_id]
         copies = []
@@ -147,7 +148,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         per_rank = (self.num_heads_per_rank + 2 * self.num_kv_heads_per_rank) * head_dim
         super().__init__(hidden_size, per_rank * tp_size, bias, dtype=dtype, device=device)
 
-    def _row_copies(self, loaded_rows: int, shard_id: str | None) -> list[tuple[int, int, int]]:
+    def row_copies(self, loaded_rows: int, shard_id: str | None) -> list[tuple[int, int, int]]:
         fused = shard_id is None  # a checkpoint with a single qkv_proj
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q_rank_rows, kv_rank_rows = self.num_heads_per_rank * self.head_dim, self.num_kv_heads_per_rank * self.head_dim

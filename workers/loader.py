@@ -20,7 +20,7 @@ from fleet.config.load import LoadConfig
 from fleet.config.model import ModelConfig
 from fleet.config.model_files import hf_config_from_gguf
 from fleet.kernels.linear import keep_amx_weights, keep_bfloat16_decode_weights, prepack_prefill_weights
-from fleet.kernels.quantized import GGUFWeight, keep_quantized, pack_kept_weights
+from fleet.kernels.quantized import GGUFWeight, keep_quantized, loaded_holding, pack_kept_weights
 from fleet.workers.gguf_file import GGUFTensor, read_gguf_tensors
 from fleet.workers.models.registry import get_model_class
 
@@ -65,15 +65,19 @@ def load_model(model_config: ModelConfig, load_config: LoadConfig, dtype: torch.
     else:
         path = model_config.model_path or model_config.model
         weights = iterate_weights(path, load_config.load_format)
-        if model_config.keeps_gguf_blocks(torch.device(device).type):
-            weights = list(weights)  # views of the file: cheap to hold
-            keep_quantized(model, weights)
+        gguf_tensors = None
+        if model_config.is_gguf:
+            weights = gguf_tensors = list(weights)  # views of the file: cheap to hold
+            if model_config.keeps_gguf_blocks(torch.device(device).type):
+                keep_quantized(model, weights)
         if show_progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             weights = tqdm(weights, desc="loading weights", unit=" tensors", leave=False)
         model.load_weights(weights)
         pack_kept_weights(model)
+        if gguf_tensors is not None:
+            model.gguf_holding = loaded_holding(model, gguf_tensors)
     device_type = torch.device(device).type
     if model_config.keeps_bfloat16_decode_weights(device_type):
         keep_bfloat16_decode_weights(model)

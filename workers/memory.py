@@ -22,14 +22,15 @@ is profiled on the device by each worker. This module imports no torch.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import psutil
 
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
+from fleet.kernels.gguf_types import TypeHolding, planned_holding
 from fleet.parallel.dims import node_engine_ranks, node_worker_ranks, runs_api_servers, runs_dp_coordinator
+from fleet.workers.gguf_file import read_gguf_tensors
 
 KV_SHARE_OF_NODE = 0.4
 """At most this share of the node's memory goes to KV caches by default: two
@@ -276,21 +277,39 @@ def worker_weight_bytes(config: FleetConfig) -> int:
     vocab_tables = 1 if hf.get("tie_word_embeddings") else 2
     embedding = vocab_tables * shape.vocab * shape.hidden / tp / min(pp, vocab_tables)
     count = layer * _layers_per_stage(config) + embedding
-    if config.model.keeps_gguf_blocks(config.device.device):
-        # Kept in the file's blocks (kernels/quantized.py): the file's bytes per
-        # weight, and on AMX a bfloat16 copy for large steps, no decode copy. (A
-        # type the kernel cannot multiply is dequantized at load, which this undercounts.)
-        whole = tp * (layer * shape.layers) + vocab_tables * shape.vocab * shape.hidden
-        blocks = int(count * os.path.getsize(config.model.model_path) / whole)
-        if config.model.keeps_amx_gemm_copies(config.device.device):
-            return blocks + int(count * DTYPE_BYTES["bfloat16"])  # their bfloat16 copy (kernels/linear.py)
-        return blocks
-    weights = count * DTYPE_BYTES[config.model.dtype]
+    decode_copy = 1.0
     if config.model.keeps_bfloat16_decode_weights(config.device.device):
         # The bfloat16 copy for decode steps (kernels/linear.py): at most half
         # again a float32 model, as much again a bfloat16 one.
-        weights *= 2 if config.model.dtype == "bfloat16" else 1.5
-    return int(weights)
+        decode_copy = 2 if config.model.dtype == "bfloat16" else 1.5
+    if config.model.is_gguf:
+        # The file's tensors as the worker holds them (kernels/quantized.py):
+        # the file's bytes for blocks kept, and on AMX their bfloat16 copy for
+        # large steps; the dtype's for the rest, with its decode copy. This
+        # worker's share of them is its share of the weights.
+        whole = tp * (layer * shape.layers) + vocab_tables * shape.vocab * shape.hidden
+        held = gguf_holding(config).values()
+        amx_copy = DTYPE_BYTES["bfloat16"] if config.model.keeps_amx_gemm_copies(config.device.device) else 0
+        weights = sum(h.kept_bytes + h.kept_weights * amx_copy
+                      + h.dequantized_weights * DTYPE_BYTES[config.model.dtype] * decode_copy for h in held)
+        return int(weights * count / whole)
+    return int(count * DTYPE_BYTES[config.model.dtype] * decode_copy)
+
+
+def gguf_holding(config: FleetConfig) -> dict[str, TypeHolding]:
+    """How a worker will hold the GGUF file's tensors, type by type (kept in
+    their blocks or loaded as the dtype), read from the file's tensor index."""
+    device = config.device.device
+    tensors = ((t.gguf_type, t.shape, t.data.nbytes) for t in read_gguf_tensors(config.model.model_path))
+    return planned_holding(tensors, device, config.model.keeps_gguf_blocks(device))
+
+
+def gguf_holding_summary(config: FleetConfig) -> dict[str, dict[str, int]] | None:
+    """What `fleet plan` shows of it (None for a model that is no GGUF file)."""
+    if not config.model.is_gguf:
+        return None
+    dtype = config.model.dtype
+    return {name: held.summary(dtype, DTYPE_BYTES[dtype]) for name, held in gguf_holding(config).items()}
 
 
 def _expert_parallel_size(parallel: ParallelConfig) -> int:

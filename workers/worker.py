@@ -30,6 +30,7 @@ from fleet.core.messages import (
     WorkerUtilityResult,
 )
 from fleet.core.node_plan import StoreLocation, WorkerPlan
+from fleet.kernels.gguf_types import describe_holding
 from fleet.workers import cpu_dtype, cpu_heap
 from fleet.workers.executor import WorkerStartupInfo
 
@@ -62,9 +63,11 @@ class Worker:
         started = time.monotonic()
         model = load_model(config.model, config.load, dtype, self.device, show_progress=plan.rank == 0)
         weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-        logger.info("loaded %s (%s, %s) in %.1f s: %.2f GiB of weights on %s", config.model.model,
+        holding = getattr(model, "gguf_holding", None)  # how a GGUF file's tensors are held, type by type
+        logger.info("loaded %s (%s, %s) in %.1f s: %.2f GiB of weights on %s%s", config.model.model,
                     config.model.architecture, config.model.dtype, time.monotonic() - started, weight_bytes / 2**30,
-                    self.device)
+                    self.device, f"; GGUF tensors: {describe_holding(holding, config.model.dtype, dtype.itemsize)}"
+                    if holding else "")
         self.is_driver = rank == driver_rank(config.parallel)
         self.runner = ModelRunner(config, model, self.device, self.is_driver)
         if config.kv_transfer is not None:

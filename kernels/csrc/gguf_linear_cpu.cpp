@@ -4,28 +4,37 @@
 //
 // In the file a weight is one row of blocks per output feature; each block of
 // 32 weights is, as ggml lays it out:
-//   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles;  w = (q - 8) * d
-//   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes;     w = q * d + m
-//   Q8_0 (34 bytes): fp16 d, 32 int8;              w = q * d
-// (byte j of the nibbles holds weight j in its low nibble, j + 16 in its high).
+//   Q4_0   (18 bytes): fp16 d, 16 bytes of nibbles;           w = (q - 8) * d
+//   Q4_1   (20 bytes): fp16 d, fp16 m, 16 bytes;              w = q * d + m
+//   Q5_0   (22 bytes): fp16 d, 4 bytes qh, 16 bytes;          w = (q - 16) * d
+//   Q5_1   (24 bytes): fp16 d, fp16 m, 4 bytes qh, 16 bytes;  w = q * d + m
+//   Q8_0   (34 bytes): fp16 d, 32 int8;                       w = q * d
+//   IQ4_NL (18 bytes): fp16 d, 16 bytes of nibbles;           w = KVALUES[q] * d
+// (byte j of the nibbles holds weight j in its low nibble, j + 16 in its high;
+// for the 5-bit types bit k of the little-endian uint32 qh is weight k's fifth
+// bit; IQ4_NL's nibble indexes a table of 16 int8s).
 //
 // `gguf_pack` rearranges those bytes once, at load, into panels of PANEL = 32
 // output features, the layout the multiply reads in order (the same bytes per
 // weight as the file: d and m of the panel's 32 features, then their values):
-//   packed[panel][block] = d[32] fp16, (Q4_1) m[32] fp16, values
+//   packed[panel][block] = d[32] fp16, (Q4_1, Q5_1) m[32] fp16, values
 // with the values of k-pair kp (k = 2 kp, 2 kp + 1 of the block) for feature
-// j = 16 h + i in lane 2 i + (k & 1) of vector h: for the 4-bit types one
-// 32-byte line per kp, vector 0 in the low nibbles and vector 1 in the high;
-// for Q8_0 two 32-byte lines per kp. Features past N are zero.
+// j = 16 h + i in lane 2 i + (k & 1) of vector h: for the nibble types one
+// 32-byte line per kp, vector 0 in the low nibbles and vector 1 in the high,
+// and for the 5-bit types after the 16 lines the fifth bits, a uint32 per kp
+// and vector (bit `lane`: 8 bytes per kp); for Q8_0 two 32-byte lines per kp.
+// IQ4_NL keeps its nibbles, looked up in the table where they are unpacked.
+// Features past N are zero.
 //
 // On a CPU with AVX512-BF16 (a bfloat16 model), steps of up to INTEGER_ROWS
 // rows never dequantize: the integers of a block are exact in bfloat16, so
 // per block and row of x, VDPBF16PS sums v * x over the block's k-pairs into
 // 32 feature lanes, then
 //   y += d * sum(v x) + c * sum(x)
-// with v = 128 + q for the 4-bit types (the nibble ORed into the bits of
-// 128.0: no conversion), c = m - 128 d (Q4_1) or -136 d (Q4_0); v = q, c = 0
-// for Q8_0. Each line of values is unpacked once per block and tile of
+// with v = 128 + q for the 4- and 5-bit types (q ORed into the bits of
+// 128.0: no conversion), c = m - 128 d (Q4_1, Q5_1), -136 d (Q4_0) or -144 d
+// (Q5_0); v = q, c = 0 for Q8_0, and v = KVALUES[q] (one permute of the
+// table's bfloat16 bits), c = 0 for IQ4_NL. Each line of values is unpacked once per block and tile of
 // TILE_ROWS rows of x. The products are exact; the float32 sums differ from
 // those of the dequantized model in order, and in skipping the weights'
 // rounding to bfloat16 (tests/kernels/test_gguf_linear.py states the
@@ -37,12 +46,13 @@
 // llama.cpp does there: each row of x is rounded to Q8 blocks (per 32
 // values d = max|x| / 127, q = round(x / d), s = d * sum(q)), and per block
 //   y += d_w * d * sum(v q) + c * s
-// with v the blocks' integers as stored (nibbles 0..15, or int8), c = m
-// (Q4_1), -8 d_w (Q4_0), 0 (Q8_0): the dequantized weights times the rounded
-// x. VPMADDUBSW multiplies the unsigned weights (for Q8_0, |v| against q with
-// v's sign) by the k-pair of q broadcast to every lane pair, which suits the
+// with v the blocks' integers (nibbles 0..15, 5-bit 0..31, int8, or IQ4_NL's
+// table entries, looked up with one VPSHUFB), c = m (Q4_1, Q5_1), -8 d_w
+// (Q4_0), -16 d_w (Q5_0), 0 (Q8_0, IQ4_NL): the dequantized weights times the
+// rounded x. VPMADDUBSW multiplies the unsigned weights (for the signed ones,
+// |v| against q with v's sign) by the k-pair of q broadcast to every lane pair, which suits the
 // pair layout above as it is: one 16-bit sum per feature and k-pair, added up
-// in int16 while that cannot overflow and widened to int32 per block (AVX-VNNI's
+// in int16 while that cannot overflow and widened to int32 (AVX-VNNI's
 // VPDPBUSD would want 4 k of a feature in adjacent bytes, so it is not used). Larger
 // steps dequantize each block into a float32 tile in that same lane order
 // (each feature's even and odd k in adjacent lanes), rounded to the model's
@@ -63,6 +73,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -85,17 +96,34 @@ constexpr int64_t BLOCK = 32;  // weights per block, every type here
 constexpr int64_t PANEL = 32;  // output features per panel
 constexpr int64_t PAIRS = BLOCK / 2;
 
-enum QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's GGMLQuantizationType values
+// ggml's GGMLQuantizationType values
+enum QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20 };
+
+// IQ4_NL's weights: d times the entry its nibble indexes (ggml's kvalues_iq4nl).
+constexpr int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 void check_type(int64_t type) {
-  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0, "GGUF quantization type ", type,
-              " has no CPU kernel (Q4_0=2, Q4_1=3, Q8_0=8 do)");
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == IQ4_NL,
+              "GGUF quantization type ", type, " has no CPU kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, IQ4_NL=20 do)");
 }
 
+// What sets the types apart: a stored m (w = q d + m), a fifth bit per
+// weight, values that are signed (int8, or IQ4_NL's table: no offset), and
+// else the offset of w = (q + offset) d.
+constexpr bool has_min(int64_t type) { return type == Q4_1 || type == Q5_1; }
+constexpr bool has_fifth_bit(int64_t type) { return type == Q5_0 || type == Q5_1; }
+constexpr bool signed_values(int64_t type) { return type == Q8_0 || type == IQ4_NL; }
+constexpr int offset_of(int64_t type) { return type == Q4_0 ? -8 : type == Q5_0 ? -16 : 0; }
+
 // Bytes of one block in the file, and of one panel's block once packed.
-constexpr int64_t file_block_bytes(int64_t type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
-constexpr int64_t scale_bytes(int64_t type) { return type == Q4_1 ? 4 * PANEL : 2 * PANEL; }
-constexpr int64_t value_bytes(int64_t type) { return type == Q8_0 ? PANEL * BLOCK : PANEL * BLOCK / 2; }
+constexpr int64_t file_block_bytes(int64_t type) {
+  return type == Q8_0 ? 34 : 18 + (has_min(type) ? 2 : 0) + (has_fifth_bit(type) ? 4 : 0);
+}
+constexpr int64_t NIBBLE_BYTES = PANEL * BLOCK / 2;  // a panel's block of nibbles, before any fifth bits
+constexpr int64_t scale_bytes(int64_t type) { return has_min(type) ? 4 * PANEL : 2 * PANEL; }
+constexpr int64_t value_bytes(int64_t type) {
+  return type == Q8_0 ? PANEL * BLOCK : NIBBLE_BYTES + (has_fifth_bit(type) ? PANEL * BLOCK / 8 : 0);
+}
 constexpr int64_t panel_block_bytes(int64_t type) { return scale_bytes(type) + value_bytes(type); }
 
 inline float half_bits_to_float(uint16_t bits) { return c10::detail::fp16_ieee_to_fp32_value(bits); }
@@ -106,32 +134,41 @@ inline uint16_t half_at(const uint8_t* p, int64_t index) {
   return bits;
 }
 
-// The integer of weight k (0..31) of a file block, before offset and scale.
+// The integer of weight k (0..31) of a file block, before offset and scale
+// (IQ4_NL's: the nibble, before its table).
 template <int64_t TYPE>
 inline int file_value(const uint8_t* block, int64_t k) {
   if constexpr (TYPE == Q8_0) return reinterpret_cast<const int8_t*>(block + 2)[k];
-  const uint8_t* q = block + (TYPE == Q4_1 ? 4 : 2);
-  return k < 16 ? q[k] & 0xF : q[k - 16] >> 4;
+  const uint8_t* q = block + 2 + (has_min(TYPE) ? 2 : 0) + (has_fifth_bit(TYPE) ? 4 : 0);
+  const int nibble = k < 16 ? q[k] & 0xF : q[k - 16] >> 4;
+  if constexpr (!has_fifth_bit(TYPE)) return nibble;
+  const uint8_t* qh = q - 4;
+  return nibble | ((qh[k / 8] >> (k % 8)) & 1) << 4;
 }
 
 // Where weight (feature j, k) of a panel's block sits among its values, and
 // how to read it back (the inverse of gguf_pack).
 inline int64_t lane_of(int64_t j, int64_t k) { return 2 * (j % 16) + (k & 1); }
 
+// Byte `lane / 8` of the fifth bits of (kp, vector h) holds lane's bit `lane % 8`.
+inline int64_t fifth_bit_byte(int64_t kp, int64_t h, int64_t lane) { return NIBBLE_BYTES + kp * 8 + 4 * h + lane / 8; }
+
 template <int64_t TYPE>
 inline int packed_value(const uint8_t* values, int64_t j, int64_t k) {
   const int64_t kp = k / 2, lane = lane_of(j, k);
   if constexpr (TYPE == Q8_0) return reinterpret_cast<const int8_t*>(values)[kp * 64 + (j / 16) * 32 + lane];
   const uint8_t byte = values[kp * 32 + lane];
-  return j < 16 ? byte & 0xF : byte >> 4;
+  const int nibble = j < 16 ? byte & 0xF : byte >> 4;
+  if constexpr (!has_fifth_bit(TYPE)) return nibble;
+  return nibble | ((values[fifth_bit_byte(kp, j / 16, lane)] >> (lane % 8)) & 1) << 4;
 }
 
 // The float32 weight of integer q with the block's d and m.
 template <int64_t TYPE>
 inline float weight_of(int q, float d, float m) {
-  if constexpr (TYPE == Q4_1) return float(q) * d + m;  // d * q is exact: one rounding, as gguf-py's
-  if constexpr (TYPE == Q4_0) return float(q - 8) * d;
-  return float(q) * d;
+  if constexpr (has_min(TYPE)) return float(q) * d + m;  // d * q is exact: one rounding, as gguf-py's
+  if constexpr (TYPE == IQ4_NL) return float(KVALUES[q]) * d;
+  return float(q + offset_of(TYPE)) * d;
 }
 
 template <typename F>
@@ -140,6 +177,9 @@ void with_type(int64_t type, F&& f) {
   switch (type) {
     case Q4_0: f(std::integral_constant<int64_t, Q4_0>{}); break;
     case Q4_1: f(std::integral_constant<int64_t, Q4_1>{}); break;
+    case Q5_0: f(std::integral_constant<int64_t, Q5_0>{}); break;
+    case Q5_1: f(std::integral_constant<int64_t, Q5_1>{}); break;
+    case IQ4_NL: f(std::integral_constant<int64_t, IQ4_NL>{}); break;
     default: f(std::integral_constant<int64_t, Q8_0>{}); break;
   }
 }
@@ -157,15 +197,16 @@ void pack_panels(const uint8_t* rows, int64_t N, int64_t K, uint8_t* packed) {
         uint8_t* values = out + scale_bytes(TYPE);
         for (int64_t j = 0; j < PANEL && p * PANEL + j < N; ++j) {
           const uint8_t* block = rows + (p * PANEL + j) * row_bytes + b * file_block_bytes(TYPE);
-          std::memcpy(out + 2 * j, block, 2);                                    // d
-          if constexpr (TYPE == Q4_1) std::memcpy(out + 2 * PANEL + 2 * j, block + 2, 2);  // m
+          std::memcpy(out + 2 * j, block, 2);                                        // d
+          if constexpr (has_min(TYPE)) std::memcpy(out + 2 * PANEL + 2 * j, block + 2, 2);  // m
           for (int64_t k = 0; k < BLOCK; ++k) {
             const int q = file_value<TYPE>(block, k);
             const int64_t kp = k / 2, lane = lane_of(j, k);
             if constexpr (TYPE == Q8_0) {
               values[kp * 64 + (j / 16) * 32 + lane] = uint8_t(int8_t(q));
             } else {
-              values[kp * 32 + lane] |= uint8_t(j < 16 ? q : q << 4);
+              values[kp * 32 + lane] |= uint8_t(j < 16 ? q & 0xF : (q & 0xF) << 4);
+              if (has_fifth_bit(TYPE) && q & 16) values[fifth_bit_byte(kp, j / 16, lane)] |= uint8_t(1 << (lane % 8));
             }
           }
         }
@@ -208,7 +249,7 @@ void dequantize_tile(const uint8_t* panel_block, float (&tile)[BLOCK][PANEL]) {
   const uint8_t* values = panel_block + scale_bytes(TYPE);
   for (int64_t j = 0; j < PANEL; ++j) {
     const float d = half_bits_to_float(half_at(panel_block, j));
-    const float m = TYPE == Q4_1 ? half_bits_to_float(half_at(panel_block, PANEL + j)) : 0.f;
+    const float m = has_min(TYPE) ? half_bits_to_float(half_at(panel_block, PANEL + j)) : 0.f;
     for (int64_t k = 0; k < BLOCK; ++k)
       tile[k][j] = float(Model(weight_of<TYPE>(packed_value<TYPE>(values, j, k), d, m)));
   }
@@ -323,14 +364,42 @@ inline __m256i pair_of(const int8_t* x, int64_t k) {
   return _mm256_set1_epi16(pair);
 }
 
-// int16 sums over k-pairs kp0 .. kp0 + 7 of the nibbles of features
-// 16h .. 16h + 15 (the low nibbles for h = 0) times each row of q.
-template <int MR>
-inline void nibble_dots(const uint8_t* values, int h, int64_t kp0, const int8_t* q, int64_t K, __m256i (&part)[MR]) {
+// 0x10 in byte i where bit i of the uint32 at `bits` is set, else 0.
+inline __m256i fifth_bits(const uint8_t* bits) {
+  uint32_t word;
+  std::memcpy(&word, bits, sizeof(word));
+  const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of the word
+      _mm256_set1_epi32(int32_t(word)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i select = _mm256_set1_epi64x(int64_t(0x8040201008040201));  // bit i % 8 of byte i
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(0x10));
+}
+
+// The 32 values of k-pair kp for features 16h .. 16h + 15 as bytes in lane
+// order: unsigned integers (nibbles, with the fifth bits ORed in), or signed
+// ones (Q8_0's int8, IQ4_NL's nibbles looked up in KVALUES).
+template <int64_t TYPE>
+inline __m256i value_line(const uint8_t* values, int h, int64_t kp) {
+  if constexpr (TYPE == Q8_0) return _mm256_loadu_si256((const __m256i*)(values + kp * 64 + 32 * h));
+  const __m256i bytes = _mm256_loadu_si256((const __m256i*)(values + kp * 32));
+  const __m256i nibbles = _mm256_and_si256(h == 0 ? bytes : _mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0xF));
+  if constexpr (TYPE == IQ4_NL) {
+    const __m128i table = _mm_loadu_si128((const __m128i*)KVALUES);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles);
+  } else if constexpr (has_fifth_bit(TYPE)) {
+    return _mm256_or_si256(nibbles, fifth_bits(values + fifth_bit_byte(kp, h, 0)));
+  }
+  return nibbles;
+}
+
+// int16 sums over k-pairs kp0 .. kp0 + RUN - 1 of the unsigned values of
+// features 16h .. 16h + 15 times each row of q.
+template <int64_t TYPE, int MR, int64_t RUN>
+inline void unsigned_dots(const uint8_t* values, int h, int64_t kp0, const int8_t* q, int64_t K,
+                          __m256i (&part)[MR]) {
   for (int m = 0; m < MR; ++m) part[m] = _mm256_setzero_si256();
-  for (int64_t kp = kp0; kp < kp0 + PAIRS / 2; ++kp) {
-    const __m256i bytes = _mm256_loadu_si256((const __m256i*)(values + kp * 32));
-    const __m256i w = _mm256_and_si256(h == 0 ? bytes : _mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0xF));
+  for (int64_t kp = kp0; kp < kp0 + RUN; ++kp) {
+    const __m256i w = value_line<TYPE>(values, h, kp);
     for (int m = 0; m < MR; ++m)
       part[m] = _mm256_add_epi16(part[m], _mm256_maddubs_epi16(w, pair_of(q + m * K, 2 * kp)));
   }
@@ -343,11 +412,10 @@ template <int64_t TYPE, int MR>
 inline void half_dots(const uint8_t* values, int h, const int8_t* q, int64_t K, __m256i (&low)[MR],
                       __m256i (&high)[MR]) {
   for (int m = 0; m < MR; ++m) low[m] = high[m] = _mm256_setzero_si256();
-  if constexpr (TYPE == Q8_0) {
+  if constexpr (signed_values(TYPE)) {
     // A product of int8s takes up to 15 bits: every k-pair's sum is widened.
     for (int64_t kp = 0; kp < PAIRS; kp += 2) {
-      const __m256i w0 = _mm256_loadu_si256((const __m256i*)(values + kp * 64 + 32 * h));
-      const __m256i w1 = _mm256_loadu_si256((const __m256i*)(values + (kp + 1) * 64 + 32 * h));
+      const __m256i w0 = value_line<TYPE>(values, h, kp), w1 = value_line<TYPE>(values, h, kp + 1);
       const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
       for (int m = 0; m < MR; ++m) {  // maddubs takes one unsigned operand: |w| times x with w's sign
         const __m256i p0 = _mm256_maddubs_epi16(abs0, _mm256_sign_epi8(pair_of(q + m * K, 2 * kp), w0));
@@ -357,18 +425,22 @@ inline void half_dots(const uint8_t* values, int h, const int8_t* q, int64_t K, 
     }
   } else {
     // A nibble times an int8 takes up to 12 bits: 8 k-pairs add up in int16
-    // (8 * 2 * 15 * 127 < 2^15), the two halves of the block then widen.
-    __m256i first[MR], second[MR];
-    nibble_dots<MR>(values, h, 0, q, K, first);
-    nibble_dots<MR>(values, h, PAIRS / 2, q, K, second);
-    for (int m = 0; m < MR; ++m) add_widened(first[m], second[m], low[m], high[m]);
+    // (8 * 2 * 15 * 127 < 2^15), the two halves of the block then widen; a
+    // 5-bit value 13 bits: runs of 4 k-pairs (4 * 2 * 31 * 127 < 2^15).
+    constexpr int64_t RUN = has_fifth_bit(TYPE) ? PAIRS / 4 : PAIRS / 2;
+    for (int64_t kp = 0; kp < PAIRS; kp += 2 * RUN) {
+      __m256i first[MR], second[MR];
+      unsigned_dots<TYPE, MR, RUN>(values, h, kp, q, K, first);
+      unsigned_dots<TYPE, MR, RUN>(values, h, kp + RUN, q, K, second);
+      for (int m = 0; m < MR; ++m) add_widened(first[m], second[m], low[m], high[m]);
+    }
   }
   for (int m = 0; m < MR; ++m) in_feature_order(low[m], high[m]);
 }
 
 // acc[m] (32 floats per row) += d * dx * dots + c * s for MR rows, with
-// c = m (Q4_1), -8 d (Q4_0), none for Q8_0: the dequantized weights times
-// the rounded x, up to float32 rounding.
+// c = m (Q4_1, Q5_1), offset * d (Q4_0, Q5_0), none for the signed types:
+// the dequantized weights times the rounded x, up to float32 rounding.
 template <int64_t TYPE, int MR>
 void integer_tile(const uint8_t* panel_block, const Q8Rows& x, int64_t m0, int64_t b, int64_t K, float* acc) {
   const int64_t blocks = K / BLOCK;
@@ -378,14 +450,15 @@ void integer_tile(const uint8_t* panel_block, const Q8Rows& x, int64_t m0, int64
   half_dots<TYPE, MR>(panel_block + scale_bytes(TYPE), 1, q, K, dots[2], dots[3]);
   for (int v = 0; v < 4; ++v) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(panel_block + 16 * v)));
-    const __m256 c = TYPE == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(panel_block + 2 * PANEL + 16 * v)))
-                                  : _mm256_mul_ps(_mm256_set1_ps(-8.f), d);  // unused for Q8_0
+    const __m256 c = has_min(TYPE)
+                         ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(panel_block + 2 * PANEL + 16 * v)))
+                         : _mm256_mul_ps(_mm256_set1_ps(float(offset_of(TYPE))), d);  // unused for signed types
     for (int m = 0; m < MR; ++m) {
       const int64_t i = (m0 + m) * blocks + b;
       float* lanes = acc + m * PANEL + 8 * v;
       __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[v][m]), _mm256_mul_ps(d, _mm256_set1_ps(x.d[i])),
                                    _mm256_loadu_ps(lanes));
-      if constexpr (TYPE != Q8_0) sum = _mm256_fmadd_ps(c, _mm256_set1_ps(x.s[i]), sum);
+      if constexpr (!signed_values(TYPE)) sum = _mm256_fmadd_ps(c, _mm256_set1_ps(x.s[i]), sum);
       _mm256_storeu_ps(lanes, sum);
     }
   }
@@ -440,24 +513,16 @@ void dequantize_pairs(const uint8_t* panel_block, float* tile) {
       return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadl_epi64((const __m128i*)(panel_block + offset))), twice);
     };
     d[t] = four(8 * t);
-    // (q - 8) d = q d - 8 d, both exact; q d + m rounds once, as gguf-py's.
-    m[t] = TYPE == Q4_1 ? four(2 * PANEL + 8 * t)
-           : TYPE == Q4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.f), d[t])
-                          : _mm256_setzero_ps();
+    // (q - 8) d = q d - 8 d, both exact (and (q - 16) d); q d + m rounds once, as gguf-py's.
+    m[t] = has_min(TYPE) ? four(2 * PANEL + 8 * t) : _mm256_mul_ps(_mm256_set1_ps(float(offset_of(TYPE))), d[t]);
   }
   for (int64_t kp = 0; kp < PAIRS; ++kp) {
     for (int h = 0; h < 2; ++h) {
-      __m256i bytes;
-      if constexpr (TYPE == Q8_0) {
-        bytes = _mm256_loadu_si256((const __m256i*)(values + kp * 64 + 32 * h));
-      } else {
-        const __m256i line = _mm256_loadu_si256((const __m256i*)(values + kp * 32));
-        bytes = _mm256_and_si256(h == 0 ? line : _mm256_srli_epi16(line, 4), _mm256_set1_epi8(0xF));
-      }
+      const __m256i bytes = value_line<TYPE>(values, h, kp);
       const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
       for (int g = 0; g < 4; ++g) {  // lanes 8g .. 8g + 7
         const __m128i eight = g % 2 == 0 ? halves[g / 2] : _mm_srli_si128(halves[g / 2], 8);
-        const __m256i ints = TYPE == Q8_0 ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+        const __m256i ints = signed_values(TYPE) ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
         const int t = 4 * h + g;
         _mm256_storeu_ps(tile + kp * 64 + 8 * t,
                          round_to<Model>(_mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), d[t], m[t])));
@@ -528,9 +593,47 @@ constexpr int TILE_ROWS = 8;  // rows of x per pass: 16 accumulators
 // AVX512-BF16 EPYC, SmolLM2's shapes.
 constexpr int64_t INTEGER_ROWS = 32;
 
-// The two value vectors (features 0-15, 16-31) of k-pair kp.
+// The integers of k-pair kp as 16-bit lanes of two vectors (features 0-15,
+// 16-31), for the nibble types: the nibbles, plus 16 where the fifth bit is
+// set (the masked add ORs it in), or (IQ4_NL) each nibble's entry of `table`,
+// 16-bit lanes indexed by it.
 template <int64_t TYPE>
-inline void unpack_pair(const uint8_t* values, int64_t kp, __m512bh& low, __m512bh& high) {
+inline void unpack_nibbles(const uint8_t* values, int64_t kp, __m512i table, __m512i& low, __m512i& high) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(values + kp * 32)));
+  low = _mm512_and_si512(bytes, _mm512_set1_epi16(0xF));
+  high = _mm512_srli_epi16(bytes, 4);
+  if constexpr (TYPE == IQ4_NL) {
+    low = _mm512_permutexvar_epi16(low, table);
+    high = _mm512_permutexvar_epi16(high, table);
+  } else if constexpr (has_fifth_bit(TYPE)) {
+    uint32_t bits[2];
+    std::memcpy(bits, values + fifth_bit_byte(kp, 0, 0), sizeof(bits));
+    low = _mm512_mask_add_epi16(low, __mmask32(bits[0]), low, _mm512_set1_epi16(0x10));
+    high = _mm512_mask_add_epi16(high, __mmask32(bits[1]), high, _mm512_set1_epi16(0x10));
+  }
+}
+
+// KVALUES as 16-bit lanes (twice: a permute index is 5 bits), in bfloat16
+// (the top half of the float32: exact, |v| <= 127) or as int16, built at
+// compile time (building them per block made IQ4_NL's 1-row steps 3x slower).
+struct KvalueLanes {
+  alignas(64) uint16_t lanes[32];
+};
+constexpr KvalueLanes kvalue_lanes(bool bfloat16) {
+  KvalueLanes table{};
+  for (int i = 0; i < 32; ++i) {
+    const int8_t v = KVALUES[i % 16];
+    table.lanes[i] = bfloat16 ? uint16_t(std::bit_cast<uint32_t>(float(v)) >> 16) : uint16_t(int16_t(v));
+  }
+  return table;
+}
+constexpr KvalueLanes KVALUES_BF16 = kvalue_lanes(true), KVALUES_INT16 = kvalue_lanes(false);
+inline __m512i kvalues_bf16() { return _mm512_load_si512(KVALUES_BF16.lanes); }
+inline __m512i kvalues_int16() { return _mm512_load_si512(KVALUES_INT16.lanes); }
+
+// The two value vectors (features 0-15, 16-31) of k-pair kp; `table`: kvalues_bf16() for IQ4_NL.
+template <int64_t TYPE>
+inline void unpack_pair(const uint8_t* values, int64_t kp, __m512i table, __m512bh& low, __m512bh& high) {
   if constexpr (TYPE == Q8_0) {
     const uint8_t* line = values + kp * 64;
     for (int h = 0; h < 2; ++h) {
@@ -539,10 +642,16 @@ inline void unpack_pair(const uint8_t* values, int64_t kp, __m512bh& low, __m512
       (h == 0 ? low : high) = _mm512_cvtne2ps_pbh(b, a);  // exact: |q| <= 128
     }
   } else {
-    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(values + kp * 32)));
-    const __m512i bias = _mm512_set1_epi16(0x4300);  // the bits of 128.0: OR a nibble in, get 128 + q
-    low = (__m512bh)_mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi16(0xF)), bias);
-    high = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(bytes, 4), bias);
+    __m512i ints[2];
+    unpack_nibbles<TYPE>(values, kp, table, ints[0], ints[1]);
+    if constexpr (TYPE == IQ4_NL) {  // the table's bfloat16 bits already
+      low = (__m512bh)ints[0];
+      high = (__m512bh)ints[1];
+    } else {
+      const __m512i bias = _mm512_set1_epi16(0x4300);  // the bits of 128.0: OR q < 128 in, get 128 + q
+      low = (__m512bh)_mm512_or_si512(ints[0], bias);
+      high = (__m512bh)_mm512_or_si512(ints[1], bias);
+    }
   }
 }
 
@@ -579,9 +688,10 @@ inline void store_rows(Lanes lanes, int64_t rows, const at::BFloat16* bias, at::
 template <int64_t TYPE, int MR>
 inline void block_dots(const uint8_t* values, const at::BFloat16* x, int64_t K, __m512 (&dots)[MR][2]) {
   for (int m = 0; m < MR; ++m) dots[m][0] = dots[m][1] = _mm512_setzero_ps();
+  const __m512i table = TYPE == IQ4_NL ? kvalues_bf16() : _mm512_setzero_si512();
   for (int64_t kp = 0; kp < PAIRS; ++kp) {
     __m512bh low, high;
-    unpack_pair<TYPE>(values, kp, low, high);
+    unpack_pair<TYPE>(values, kp, table, low, high);
     add_pair<MR>(dots, low, high, x, K, 2 * kp);
   }
 }
@@ -594,17 +704,17 @@ void tile_rows(const uint8_t* panel_block, const at::BFloat16* x, const float* s
   block_dots<TYPE, MR>(panel_block + scale_bytes(TYPE), x, K, dots);
   for (int h = 0; h < 2; ++h) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(panel_block + 32 * h)));
-    __m512 c = _mm512_setzero_ps();
-    if constexpr (TYPE == Q4_1) {
+    __m512 c = _mm512_setzero_ps();  // none for the signed types
+    if constexpr (has_min(TYPE)) {
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(panel_block + 2 * PANEL + 32 * h)));
       c = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, m);
-    } else if constexpr (TYPE == Q4_0) {
-      c = _mm512_mul_ps(_mm512_set1_ps(-136.f), d);
+    } else if constexpr (!signed_values(TYPE)) {
+      c = _mm512_mul_ps(_mm512_set1_ps(float(offset_of(TYPE) - 128)), d);
     }
     for (int m = 0; m < MR; ++m) {
       float* lanes = acc + m * PANEL + 16 * h;
       __m512 sum = _mm512_fmadd_ps(dots[m][h], d, _mm512_loadu_ps(lanes));
-      if constexpr (TYPE != Q8_0) sum = _mm512_fmadd_ps(c, _mm512_set1_ps(sums[m * blocks]), sum);
+      if constexpr (!signed_values(TYPE)) sum = _mm512_fmadd_ps(c, _mm512_set1_ps(sums[m * blocks]), sum);
       _mm512_storeu_ps(lanes, sum);
     }
   }
@@ -623,8 +733,8 @@ template <int64_t TYPE>
 void integer_rows_bf16(const at::BFloat16* x, const uint8_t* packed, int64_t M, int64_t K, int64_t N,
                        const at::BFloat16* bias, at::BFloat16* y) {
   const int64_t blocks = K / BLOCK, panels = (N + PANEL - 1) / PANEL;
-  std::vector<float> sums(TYPE == Q8_0 ? 0 : M * blocks);  // sums[m * blocks + b]: x[m]'s sum over block b
-  if (TYPE != Q8_0)
+  std::vector<float> sums(signed_values(TYPE) ? 0 : M * blocks);  // sums[m * blocks + b]: x[m]'s sum over block b
+  if (!signed_values(TYPE))
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < blocks; ++b) {
         const at::BFloat16* xb = x + m * K + b * BLOCK;
@@ -662,6 +772,7 @@ void dequantize_panel(const uint8_t* panel, int64_t blocks, __m512i* lines) {
     high_index[i] = 8 + i / 2;
   }
   const __m512i to_low = _mm512_load_si512(low_index), to_high = _mm512_load_si512(high_index);
+  const __m512i table = TYPE == IQ4_NL ? kvalues_int16() : _mm512_setzero_si512();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* panel_block = panel + b * panel_block_bytes(TYPE);
     const uint8_t* values = panel_block + scale_bytes(TYPE);
@@ -669,10 +780,10 @@ void dequantize_panel(const uint8_t* panel, int64_t blocks, __m512i* lines) {
     for (int h = 0; h < 2; ++h) {
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(panel_block + 32 * h)));
       __m512 offset = _mm512_setzero_ps();
-      if constexpr (TYPE == Q4_1) {
+      if constexpr (has_min(TYPE)) {
         offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(panel_block + 2 * PANEL + 32 * h)));
-      } else if constexpr (TYPE == Q4_0) {
-        offset = _mm512_mul_ps(_mm512_set1_ps(-8.f), scale);  // (q - 8) d = q d - 8 d, both exact
+      } else if constexpr (offset_of(TYPE) != 0) {  // (q - 8) d = q d - 8 d, both exact (and -16)
+        offset = _mm512_mul_ps(_mm512_set1_ps(float(offset_of(TYPE))), scale);
       }
       d[h][0] = _mm512_permutexvar_ps(to_low, scale);
       d[h][1] = _mm512_permutexvar_ps(to_high, scale);
@@ -685,9 +796,7 @@ void dequantize_panel(const uint8_t* panel, int64_t blocks, __m512i* lines) {
         ints[0] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(values + kp * 64)));
         ints[1] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(values + kp * 64 + 32)));
       } else {
-        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(values + kp * 32)));
-        ints[0] = _mm512_and_si512(bytes, _mm512_set1_epi16(0xF));
-        ints[1] = _mm512_srli_epi16(bytes, 4);
+        unpack_nibbles<TYPE>(values, kp, table, ints[0], ints[1]);
       }
       for (int h = 0; h < 2; ++h) {
         const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(ints[h])));
@@ -801,7 +910,7 @@ void gather_rows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* panel_block = packed + (p * blocks + b) * panel_block_bytes(TYPE);
         const float d = half_bits_to_float(half_at(panel_block, j));
-        const float m = TYPE == Q4_1 ? half_bits_to_float(half_at(panel_block, PANEL + j)) : 0.f;
+        const float m = has_min(TYPE) ? half_bits_to_float(half_at(panel_block, PANEL + j)) : 0.f;
         for (int64_t k = 0; k < BLOCK; ++k)
           out[t * K + b * BLOCK + k] = Out(weight_of<TYPE>(packed_value<TYPE>(panel_block + scale_bytes(TYPE), j, k), d, m));
       }

@@ -25,7 +25,7 @@ from fleet.config.cpu_class import CpuClass, cpu_class, cpu_computes_bfloat16
 from fleet.kernels.linear import AMX_BLOCK_ROWS, keep_amx_weights, linear
 from fleet.kernels.quantized import GGUFWeight, quantized_linear
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"]
 Q8_ROWS = 32
 """Most rows the AVX2 kernel rounds to Q8 (csrc/gguf_linear_cpu.cpp's Q8_ROWS)."""
 
@@ -35,10 +35,28 @@ def rounds_to_q8(rows: int) -> bool:
     return cpu_class() >= CpuClass.avx2 and rows <= Q8_ROWS
 
 
+def iq4_nl_blocks(weights: np.ndarray) -> np.ndarray:
+    """float32 [rows, columns] -> IQ4_NL blocks [rows, bytes], which gguf-py
+    cannot quantize into: per block d = (the value of largest |w|) / -127, as
+    ggml starts from, and each weight's nearest table entry (no search for a
+    better d: any valid blocks do for the tests)."""
+    rows, columns = weights.shape
+    table = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+    blocks = weights.reshape(rows, columns // 32, 32)
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1, keepdims=True), axis=-1)
+    d = (largest / -127).astype(np.float16)
+    q = np.abs(blocks[..., None] - d.astype(np.float32)[..., None] * table).argmin(axis=-1).astype(np.uint8)
+    nibbles = q[..., :16] | q[..., 16:] << 4  # byte j: weight j low, j + 16 high
+    return np.concatenate([d.view(np.uint8), nibbles], axis=-1).reshape(rows, -1)
+
+
 def quantized(kind: str, rows: int, columns: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the file's blocks [rows, bytes], gguf-py's float32 dequantization [rows, columns])"""
+    """(the file's blocks [rows, bytes] of normal weights, gguf-py's float32 dequantization [rows, columns])"""
     weights = np.random.default_rng(seed).standard_normal((rows, columns)).astype(np.float32)
-    blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[kind])
+    if kind == "IQ4_NL":
+        blocks = iq4_nl_blocks(weights)
+    else:
+        blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[kind])
     dequantized = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
     return torch.from_numpy(blocks), torch.from_numpy(np.ascontiguousarray(dequantized))
 

@@ -119,12 +119,13 @@ def test_kept_k_quants_match_transformers(kquant_gguf: str) -> None:
         pytest.skip("the CPU kernel extension cannot be built here")
     ours = kept_float32_model(kquant_gguf)
     gemma = hf_config_from_gguf(kquant_gguf)["model_type"] == "gemma3_text"
-    kept = {name: param.gguf_type for name, param in ours.named_parameters() if param.dtype == torch.uint8}
-    # Layer 0's q/k/v mix Q4_K and Q6_K in one fused projection: dequantized.
+    kept = {name: param.gguf_type if param.gguf_type is not None else [part.gguf_type for part in param.gguf_parts]
+            for name, param in ours.named_parameters() if param.dtype == torch.uint8}
+    # Layer 0's q/k/v mix Q4_K and Q6_K in one fused projection: kept as two parts.
     assert kept == {
         "model.embed_tokens.weight": Q6_K, **({} if gemma else {"lm_head.weight": Q6_K}),
-        "model.layers.0.self_attn.o_proj.weight": Q4_K, "model.layers.0.mlp.gate_up_proj.weight": Q4_K,
-        "model.layers.0.mlp.down_proj.weight": Q6_K,
+        "model.layers.0.self_attn.qkv_proj.weight": [Q4_K, Q6_K], "model.layers.0.self_attn.o_proj.weight": Q4_K,
+        "model.layers.0.mlp.gate_up_proj.weight": Q4_K, "model.layers.0.mlp.down_proj.weight": Q6_K,
         "model.layers.1.self_attn.qkv_proj.weight": Q4_K, "model.layers.1.self_attn.o_proj.weight": Q4_K,
         "model.layers.1.mlp.gate_up_proj.weight": Q5_K, "model.layers.1.mlp.down_proj.weight": Q4_K,
     }
