@@ -12,7 +12,9 @@ quantized into a uint8 parameter of those bytes before loading
 for); the loaders then copy bytes. On a CPU `pack_kept_weights` rearranges
 the 32-weight types into the panels that `csrc/gguf_linear_cpu.cpp` reads,
 while the K-quants stay as the file rows them, for
-`csrc/gguf_kquant_cpu.cpp`; on CUDA only Q4_0, Q4_1 and Q8_0 are kept
+`csrc/gguf_kquant_integer_cpu.cpp` (steps of up to 32 rows, in integers
+against activations rounded to Q8_K) and `csrc/gguf_kquant_cpu.cpp` (float32
+tiles, larger steps); on CUDA only Q4_0, Q4_1 and Q8_0 are kept
 (TRITON_TYPES), as the file rows them, for `triton_ops.gguf_linear`, which
 reads no others: CUDA dequantizes those at load. `linear`
 (kernels/linear.py) and the embedding call `quantized_linear` and
