@@ -34,7 +34,7 @@ import torch
 
 from fleet.config.cpu_class import CpuClass, cpu_class, cpu_computes_bfloat16
 from fleet.kernels.linear import AMX_BLOCK_ROWS, keep_amx_weights, linear
-from fleet.kernels.quantized import KEPT_TYPES, GGUFWeight
+from fleet.kernels.quantized import KEPT_TYPES, GGUFWeight, quantized_linear
 
 TYPES = ["Q4_K", "Q5_K", "Q6_K"]
 INTEGER_ROWS = 32
@@ -178,6 +178,25 @@ def test_bfloat16_multiply_is_the_rounded_weights_product(ops, kind, rows):
     else:
         expected = x.float() @ weight.bfloat16().float().T + bias.float()
     torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_bfloat16_prefill_is_the_dequantized_models_linear(ops, kind):
+    """A step of more rows than the integer path takes, in a bfloat16 model:
+    on a CPU with native bfloat16 the weight is dequantized for the call and
+    multiplied by oneDNN, which gives what F.linear of the dequantized model
+    gives, bit for bit; elsewhere the float32 tiles (the bound above)."""
+    out_features, in_features, rows = 45, 512, INTEGER_ROWS + 7
+    blocks, weight = quantized(kind, out_features, in_features)
+    blocks.gguf_type, blocks.gguf_shape = type_of(kind), (out_features, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(5)).bfloat16()
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(6)).bfloat16()
+    out = quantized_linear(x, blocks, bias)
+    dequantized_model = torch.nn.functional.linear(x, weight.bfloat16(), bias)
+    if cpu_computes_bfloat16():
+        assert torch.equal(out, dequantized_model)
+    else:
+        torch.testing.assert_close(out.float(), dequantized_model.float(), rtol=2**-7, atol=2e-3)
 
 
 def test_bad_inputs_are_refused(ops):
