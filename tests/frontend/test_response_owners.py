@@ -5,21 +5,17 @@ answer of an id never made, from either API server), and its flood of stored
 responses evicts none of the first key's, nor cancels its running one."""
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
 
 from fleet.tests.frontend.server import Server
+from fleet.tests.frontend.test_responses import LONG_JSON, wait_for_status
 
 pytestmark = pytest.mark.slow
 
 MAX_STORED = 3
 REQUEST_TOKENS = 1024
-LONG_JSON = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1500}}, "required": ["s"],
-             "additionalProperties": False}
-"""Output that runs to max_output_tokens, whatever the random model prefers."""
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +38,6 @@ def auth(key: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def model(server) -> str:
     return server.get("/v1/models", headers=auth("key-a")).json()["data"][0]["id"]
-
-
-def wait_for_status(client: openai.OpenAI, response_id: str, statuses: set[str], timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while (response := client.responses.retrieve(response_id)).status not in statuses:
-        assert time.monotonic() < deadline, response.status
-        time.sleep(0.05)
-    return response
 
 
 def test_another_key_finds_nothing(server, model):

@@ -35,10 +35,9 @@ import torch
 from fleet.config.cpu_class import CpuClass, cpu_class, cpu_computes_bfloat16
 from fleet.kernels.linear import AMX_BLOCK_ROWS, keep_amx_weights, linear
 from fleet.kernels.quantized import KEPT_TYPES, GGUFWeight, quantized_linear
+from fleet.kernels.quantized import KQUANT_INTEGER_ROWS as INTEGER_ROWS
 
 TYPES = ["Q4_K", "Q5_K", "Q6_K"]
-INTEGER_ROWS = 32
-"""Most rows the kernel takes through the integer path (csrc/gguf_kquant_cpu.cpp's INTEGER_ROWS)."""
 SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 """Where each type's float16 d (and dmin) sit in its super-block."""
 
