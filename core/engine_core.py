@@ -124,6 +124,7 @@ class EngineCore:
         # Workers must drop finished requests too; and lock-step replicas all
         # run every step, with no tokens if need be (see dp_coordinator.py).
         workers_have_work = (scheduler_output.num_scheduled_tokens or scheduler_output.finished_request_ids
+                             or scheduler_output.kv_exports or scheduler_output.kv_export_releases
                              or self.scheduler.kv_connector.loading)  # the workers say when pulls end
         if workers_have_work or self.config.parallel.replicas_step_together:
             result = self.executor.execute(scheduler_output)

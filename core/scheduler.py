@@ -132,6 +132,11 @@ class Scheduler:
         self._output_builder = SchedulerOutputBuilder()
         self._pending_outputs: list[EngineCoreOutput] = []
         """Outputs of requests finished outside a step (aborts), sent with the next update."""
+        self._held_outputs: list[EngineCoreOutput] = []
+        """Last outputs of prompts held for a decode instance, whose workers have not been told
+        of the export yet: a decode instance that pulled now would find nothing to pull."""
+        self._held_outputs_by_step: dict[int, list[EngineCoreOutput]] = {}
+        """Those told of in a step in flight (by step id): they go out once that step is done."""
         self.step_counter = 0
         self.num_preemptions = 0
         self.kv_connector = KVConnector(kv_transfer, self.kv_cache_manager, self.block_size, replica_size)
@@ -203,6 +208,8 @@ class Scheduler:
         self.step_counter += 1
         output = self._output_builder.build(self.step_counter, step)
         output.kv_exports, output.kv_export_releases = self.kv_connector.exports.take_changes()
+        if self._held_outputs:
+            self._held_outputs_by_step[output.step_id], self._held_outputs = self._held_outputs, []
         return output
 
     def _preempt_for_fair_share(self, step: StepBudget) -> Request | None:
@@ -416,6 +423,7 @@ class Scheduler:
         """
         assert runner_output.step_id == scheduler_output.step_id, (runner_output.step_id, scheduler_output.step_id)
         outputs, self._pending_outputs = self._pending_outputs, []
+        outputs += self._held_outputs_by_step.pop(scheduler_output.step_id, [])  # its workers now serve them
         sample_index = {request_id: index for index, request_id in enumerate(runner_output.request_ids)}
         self._settle_kv_loads(runner_output)
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -443,8 +451,9 @@ class Scheduler:
                     output.kv_transfer = self.kv_connector.hold(request)
                     self._output_builder.forget(request_id)
                     del self.requests[request_id]
-                else:
-                    self._release(request)
+                    self._held_outputs.append(output)  # after the next step tells the workers
+                    continue
+                self._release(request)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -513,7 +522,8 @@ class Scheduler:
 
     def has_finished_requests(self) -> bool:
         """Finished ids or abort outputs not yet delivered: worth one more (empty) step."""
-        return self._output_builder.has_finished or bool(self._pending_outputs) or self.kv_connector.has_changes
+        return (self._output_builder.has_finished or bool(self._pending_outputs) or self.kv_connector.has_changes
+                or bool(self._held_outputs) or bool(self._held_outputs_by_step))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

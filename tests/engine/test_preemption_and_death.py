@@ -39,21 +39,34 @@ def test_worker_sigkill_fails_generate_and_leaves_nothing(tiny_llama_dir):
     errors = {}
 
     def run() -> None:
+        # 8 x 2043 tokens in a 4096-token cache: preempted over and over, far
+        # longer than any machine takes to see it running and kill the worker.
         try:
-            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1800, ignore_eos=True), use_tqdm=False)
+            llm.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=2040, ignore_eos=True), use_tqdm=False)
         except EngineDeadError as error:
             errors["error"] = error
 
     thread = threading.Thread(target=run)
     thread.start()
-    time.sleep(1.0)
+    assert _wait_until_blocks_in_use(llm, timeout=30.0), "the generate never started"
     killed_at = time.monotonic()
     os.kill(workers[0].pid, signal.SIGKILL)
     thread.join(timeout=10)
     assert time.monotonic() - killed_at < 5.0
+    assert "error" in errors, "generate returned without EngineDeadError: it finished before the kill"
     assert "fleet-worker-dp0-pp0-tp0" in str(errors["error"])
     llm.shutdown()
     assert_no_fleet_processes()
+
+
+def _wait_until_blocks_in_use(llm, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = llm.call_utility("kv_stats")
+        if stats["num_free_blocks"] < stats["num_blocks"]:
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def test_uni_executor_runs_the_worker_inside_the_engine_process(tiny_llama_dir):

@@ -316,12 +316,13 @@ def test_one_launch_prefills_on_one_replica_and_decodes_on_the_other(disaggregat
         texts = list(pool.map(lambda i: complete(server.url, prompts[i], stream=i % 2 == 0), range(len(prompts))))
     assert [t.strip("\ufffd") for t in texts] == expected(server, tiny_llama_dir, prompts)
     transferred = sum(len(p) - 1 for p in prompts)
-    assert server.wait_until(lambda: per_engine({"0": server.get("/metrics").text},
-                                                "fleet:kv_transfer_tokens_total").get("1") == transferred)
+    server.wait_until(lambda: per_engine({"0": server.get("/metrics").text},
+                                         "fleet:kv_transfer_tokens_total").get("1") == transferred)
     pages = {"0": server.get("/metrics").text}
+    assert per_engine(pages, "fleet:kv_transfer_failures_total")["1"] == 0
+    assert per_engine(pages, "fleet:kv_transfer_tokens_total")["1"] == transferred
     assert per_engine(pages, "fleet:generation_tokens_total")["1"] == len(prompts) * MAX_TOKENS
     assert per_engine(pages, "fleet:generation_tokens_total")["0"] == len(prompts)  # one dropped token each
-    assert per_engine(pages, "fleet:kv_transfer_failures_total")["1"] == 0
 
 
 def test_one_launch_takes_no_kv_transfer_params_from_a_client(disaggregated):
