@@ -4,6 +4,10 @@
             process, on metadata built before the clock starts;
   engine    EngineCore.step with the worker in this process (`uni`): the
             scheduler, the runner's batch, the forward, the sampler;
+  worker    EngineCore.step with the worker in its own process (`mp`, over
+            ZMQ), and of it the time outside the executor's round trip: what
+            the engine does while the worker waits for its next step (all that
+            overlapping the scheduling with the forward could hide);
   served    the time per output token of one streamed request to a
             `fleet launch` this script starts (API process, engine core and
             worker as users run them, over ZMQ and HTTP).
@@ -79,6 +83,29 @@ def engine_step_ms(engine: EngineCore, prompt: list[int], tokens: int) -> list[f
     return times[:tokens]
 
 
+def worker_process_ms(config, prompt: list[int], tokens: int) -> tuple[list[float], list[float]]:
+    """Per decode token: one EngineCore.step with a worker process, and the step's time outside
+    the executor's round trip (the engine's own work, while the worker waits)."""
+    engine = EngineCore(config, engine_core_plans(config, [0], clients=[], coordinator=None)[0])
+    round_trips = []
+    execute = engine.executor.execute
+
+    def timed_execute(scheduler_output):
+        start = time.perf_counter()
+        result = execute(scheduler_output)
+        round_trips.append((time.perf_counter() - start) * 1e3)
+        return result
+
+    engine.executor.execute = timed_execute
+    try:
+        engine_step_ms(engine, prompt, 16)  # warm up
+        round_trips.clear()
+        steps = engine_step_ms(engine, prompt, tokens)
+    finally:
+        engine.shutdown()
+    return steps, [step - trip for step, trip in zip(steps, round_trips[1:])]  # [0]: the prompt's step
+
+
 def served_ms(model: str, prompt: list[int], tokens: int) -> list[float]:
     """Per output token of one streamed completion from a `fleet launch` started here."""
     port = _free_port()
@@ -141,12 +168,15 @@ def main() -> int:
     layers = {"forward": forward_ms(engine, prompt, args.tokens),
               "engine": engine_step_ms(engine, prompt, args.tokens)}
     engine.shutdown()
+    mp_config = EngineArgs(model=args.model, kv_cache_memory_bytes=KV_BUDGET).create_config()
+    layers["worker"], engine_only = worker_process_ms(mp_config, prompt, args.tokens)
     layers["served"] = served_ms(args.model, prompt, args.tokens)
     base = statistics.median(layers["forward"])
     print(f"{config.model.model}, prompt {args.prompt_len}, {args.tokens} tokens, {torch.get_num_threads()} threads")
     for name, times in layers.items():
         median = statistics.median(times)
         print(f"  {name:8s} median {median:7.2f} ms/token  ({median / base:.3f}x the forward)")
+    print(f"  the worker waits for its next step (the engine's own work): median {statistics.median(engine_only):.3f} ms")
     return 0
 
 
