@@ -11,6 +11,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "gguf_iq4nl_values.h"
+
 // The integer path needs AVX2's byte multiplies (VPMADDUBSW) and F16C; below
 // that (class baseline) every step takes the float32 tiles.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -23,22 +25,37 @@ namespace fleet_kquant {
 
 constexpr int64_t SUPER = 256;  // weights per super-block, every type here
 
-enum KQuantType : int64_t { Q4_K = 12, Q5_K = 13, Q6_K = 14 };  // ggml's GGMLQuantizationType values
+// ggml's GGMLQuantizationType values. IQ4_XS is no K-quant by name, but it
+// is laid out as one: 256-weight super-blocks with per-sub-block scales.
+enum KQuantType : int64_t { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23 };
 
 inline void check_type(int64_t type) {
-  TORCH_CHECK(type == Q4_K || type == Q5_K || type == Q6_K, "GGUF quantization type ", type,
-              " has no K-quant CPU kernel (Q4_K=12, Q5_K=13, Q6_K=14 do)");
+  TORCH_CHECK(type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS,
+              "GGUF quantization type ", type,
+              " has no K-quant CPU kernel (Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_XS=23 do)");
 }
 
-constexpr int64_t block_bytes(int64_t type) { return type == Q4_K ? 144 : type == Q5_K ? 176 : 210; }
+constexpr int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case Q2_K: return 84;
+    case Q3_K: return 110;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 136;  // IQ4_XS
+  }
+}
 
 template <typename F>
 void with_type(int64_t type, F&& f) {
   check_type(type);
   switch (type) {
+    case Q2_K: f(std::integral_constant<int64_t, Q2_K>{}); break;
+    case Q3_K: f(std::integral_constant<int64_t, Q3_K>{}); break;
     case Q4_K: f(std::integral_constant<int64_t, Q4_K>{}); break;
     case Q5_K: f(std::integral_constant<int64_t, Q5_K>{}); break;
-    default: f(std::integral_constant<int64_t, Q6_K>{}); break;
+    case Q6_K: f(std::integral_constant<int64_t, Q6_K>{}); break;
+    default: f(std::integral_constant<int64_t, IQ4_XS>{}); break;
   }
 }
 
@@ -60,6 +77,31 @@ inline void scale_and_min(const uint8_t* packed, int j, int& scale, int& min) {
     scale = (packed[j + 4] & 0xF) | ((packed[j - 4] >> 6) << 4);
     min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
   }
+}
+
+// The 16 6-bit scales of Q3_K's 12 packed bytes, before their offset of -32
+// (sub-block j, 16 weights): the low 4 bits from byte j % 8 (its low nibble
+// for j < 8, its high one above), the top 2 from bits 2 (j / 4) of byte
+// 8 + j % 4. Four scales to a 32-bit word, as llama.cpp unpacks them.
+inline void q3_k_scale_bits(const uint8_t* packed, uint8_t* bits) {
+  uint32_t word[3];
+  std::memcpy(word, packed, sizeof(word));
+  const uint32_t low4 = 0x0F0F0F0F, low2 = 0x03030303;
+  const uint32_t out[4] = {(word[0] & low4) | ((word[2] & low2) << 4),
+                           (word[1] & low4) | (((word[2] >> 2) & low2) << 4),
+                           ((word[0] >> 4) & low4) | (((word[2] >> 4) & low2) << 4),
+                           ((word[1] >> 4) & low4) | (((word[2] >> 6) & low2) << 4)};
+  std::memcpy(bits, out, sizeof(out));
+}
+
+// The signed scale of IQ4_XS's sub-block j (0..7, 32 weights): its low 4 bits
+// are nibble j % 2 of byte 4 + j / 2, its top 2 bits 2j of the uint16 at byte
+// 2; the 6 bits are offset by -32.
+inline int iq4_xs_scale(const uint8_t* block, int j) {
+  uint16_t high;
+  std::memcpy(&high, block + 2, sizeof(high));
+  const int low = (block[4 + j / 2] >> (4 * (j % 2))) & 0xF;
+  return (low | (((high >> (2 * j)) & 3) << 4)) - 32;
 }
 
 // y [M, N] = x W^T (+ bias) for x float32 [M, K] rounded to Q8_K, W the
