@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -80,28 +81,35 @@ inline void scale_and_min(const uint8_t* packed, int j, int& scale, int& min) {
 }
 
 // The 16 6-bit scales of Q3_K's 12 packed bytes, before their offset of -32
-// (sub-block j, 16 weights): the low 4 bits from byte j % 8 (its low nibble
-// for j < 8, its high one above), the top 2 from bits 2 (j / 4) of byte
-// 8 + j % 4. Four scales to a 32-bit word, as llama.cpp unpacks them.
-inline void q3_k_scale_bits(const uint8_t* packed, uint8_t* bits) {
+// (sub-block j, 16 weights), as byte j % 4 of word j / 4: the low 4 bits from
+// byte j % 8 (its low nibble for j < 8, its high one above), the top 2 from
+// bits 2 (j / 4) of byte 8 + j % 4. Four scales to a 32-bit word, as
+// llama.cpp unpacks them (words, not bytes: the integer path builds its
+// vector from them in registers).
+inline std::array<uint32_t, 4> q3_k_scale_words(const uint8_t* packed) {
   uint32_t word[3];
   std::memcpy(word, packed, sizeof(word));
   const uint32_t low4 = 0x0F0F0F0F, low2 = 0x03030303;
-  const uint32_t out[4] = {(word[0] & low4) | ((word[2] & low2) << 4),
-                           (word[1] & low4) | (((word[2] >> 2) & low2) << 4),
-                           ((word[0] >> 4) & low4) | (((word[2] >> 4) & low2) << 4),
-                           ((word[1] >> 4) & low4) | (((word[2] >> 6) & low2) << 4)};
-  std::memcpy(bits, out, sizeof(out));
+  return {(word[0] & low4) | ((word[2] & low2) << 4), (word[1] & low4) | (((word[2] >> 2) & low2) << 4),
+          ((word[0] >> 4) & low4) | (((word[2] >> 4) & low2) << 4),
+          ((word[1] >> 4) & low4) | (((word[2] >> 6) & low2) << 4)};
 }
 
-// The signed scale of IQ4_XS's sub-block j (0..7, 32 weights): its low 4 bits
-// are nibble j % 2 of byte 4 + j / 2, its top 2 bits 2j of the uint16 at byte
-// 2; the 6 bits are offset by -32.
-inline int iq4_xs_scale(const uint8_t* block, int j) {
+// The 6-bit scales of IQ4_XS's 8 sub-blocks (32 weights), before their
+// offset of -32, as byte j of the result: the low 4 bits are nibble j of the
+// 4 bytes at byte 4, the top 2 bits 2j of the uint16 at byte 2 (in a
+// register: the integer path's vector is built from it without a store).
+inline uint64_t iq4_xs_scale_bits(const uint8_t* block) {
   uint16_t high;
+  uint32_t low;
   std::memcpy(&high, block + 2, sizeof(high));
-  const int low = (block[4 + j / 2] >> (4 * (j % 2))) & 0xF;
-  return (low | (((high >> (2 * j)) & 3) << 4)) - 32;
+  std::memcpy(&low, block + 4, sizeof(low));
+  uint64_t bits = 0;
+  for (int j = 0; j < 8; ++j) {
+    const uint64_t scale = ((low >> (4 * j)) & 0xF) | (((high >> (2 * j)) & 3) << 4);
+    bits |= scale << (8 * j);
+  }
+  return bits;
 }
 
 // y [M, N] = x W^T (+ bias) for x float32 [M, K] rounded to Q8_K, W the

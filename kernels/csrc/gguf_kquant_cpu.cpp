@@ -83,7 +83,10 @@ void dequantize_2_or_3_bits(const uint8_t* block, float* out) {
   const uint8_t* quants = block + (TYPE == Q2_K ? 16 : 32);
   const uint8_t* high_bits = block;
   uint8_t scale_bits[16];
-  if constexpr (TYPE == Q3_K) q3_k_scale_bits(block + 96, scale_bits);
+  if constexpr (TYPE == Q3_K) {
+    const auto words = q3_k_scale_words(block + 96);
+    std::memcpy(scale_bits, words.data(), sizeof(scale_bits));
+  }
   const float d = half_at(block + (TYPE == Q2_K ? 80 : 108)), dmin = TYPE == Q2_K ? half_at(block + 82) : 0.f;
   for (int j = 0; j < 16; ++j) {
     const int k0 = 16 * j, shift = 2 * (k0 / 32 % 4), high = k0 / 32;
@@ -152,8 +155,9 @@ void dequantize_6_bits(const uint8_t* block, float* out) {
 // each an index into IQ4_NL's table.
 void dequantize_iq4_xs(const uint8_t* block, float* out) {
   const float d = half_at(block);
+  const uint64_t scale_bits = iq4_xs_scale_bits(block);
   for (int j = 0; j < 8; ++j) {
-    const float step = d * float(iq4_xs_scale(block, j));  // exact, and so is step * the table's entry
+    const float step = d * float(int((scale_bits >> (8 * j)) & 0x3F) - 32);  // exact, and so is step * an entry
     const uint8_t* q = block + 8 + 16 * j;
     float* w = out + 32 * j;
     for (int l = 0; l < 16; ++l) {

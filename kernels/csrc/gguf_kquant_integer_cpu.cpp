@@ -307,9 +307,9 @@ struct TwoOrThreeBits {
     if constexpr (TYPE == Q2_K) {
       return nibbles_of_scale_bytes(block, 0);
     } else {
-      uint8_t bits[16];
-      q3_k_scale_bits(block + 96, bits);
-      return _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_loadu_si128((const __m128i*)bits), _mm_set1_epi8(32)));
+      const auto words = q3_k_scale_words(block + 96);
+      const __m128i bits = _mm_setr_epi32(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
+      return _mm256_cvtepi8_epi16(_mm_sub_epi8(bits, _mm_set1_epi8(32)));
     }
   }
 
@@ -444,9 +444,8 @@ struct IQ4XS {
   explicit IQ4XS(const uint8_t* block) : nibbles(block + 8), d(_mm256_set1_ps(half_of(block))), scales(scales_of_block(block)) {}
 
   static __m128i scales_of_block(const uint8_t* block) {
-    alignas(16) int16_t eight[8];
-    for (int j = 0; j < 8; ++j) eight[j] = int16_t(iq4_xs_scale(block, j));
-    return _mm_load_si128((const __m128i*)eight);
+    const __m128i bits = _mm_cvtsi64_si128(int64_t(iq4_xs_scale_bits(block)));
+    return _mm_cvtepi8_epi16(_mm_sub_epi8(bits, _mm_set1_epi8(32)));
   }
 
 #if FLEET_KQUANT_AVX512
