@@ -22,18 +22,20 @@ class BlockFormat(NamedTuple):
 KEPT_TYPES = {
     2: BlockFormat("Q4_0", 18, 32), 3: BlockFormat("Q4_1", 20, 32), 6: BlockFormat("Q5_0", 22, 32),
     7: BlockFormat("Q5_1", 24, 32), 8: BlockFormat("Q8_0", 34, 32), 20: BlockFormat("IQ4_NL", 18, 32),
-    12: BlockFormat("Q4_K", 144, 256), 13: BlockFormat("Q5_K", 176, 256), 14: BlockFormat("Q6_K", 210, 256),
+    10: BlockFormat("Q2_K", 84, 256), 11: BlockFormat("Q3_K", 110, 256), 12: BlockFormat("Q4_K", 144, 256),
+    13: BlockFormat("Q5_K", 176, 256), 14: BlockFormat("Q6_K", 210, 256), 23: BlockFormat("IQ4_XS", 136, 256),
 }
 """GGML quantization type -> its blocks, for the types a CPU kernel multiplies:
 the 32-weight ones in csrc/gguf_linear_cpu.cpp, the K-quants in csrc/gguf_kquant_cpu.cpp
 (triton_ops reads a Triton type's bytes per block as `KEPT_TYPES[type][1]`)."""
 
-K_QUANTS = frozenset({12, 13, 14})
-"""The kept types in 256-weight super-blocks: multiplied in the file's rows, not in panels."""
+K_QUANTS = frozenset({10, 11, 12, 13, 14, 23})
+"""The kept types in 256-weight super-blocks (the K-quants Q2_K to Q6_K, and
+IQ4_XS, laid out as one): multiplied in the file's rows, not in panels."""
 
 TRITON_TYPES = frozenset({2, 3, 8})
 """The types `triton_ops.gguf_linear` reads (and `quantized.dequantize_rows`):
-CUDA keeps only these; it dequantizes the others (K-quants, Q5_0, Q5_1,
+CUDA keeps only these; it dequantizes the others (K_QUANTS, Q5_0, Q5_1,
 IQ4_NL) at load."""
 
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}

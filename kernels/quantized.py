@@ -1,7 +1,8 @@
 """GGUF weights kept in their quantized blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-IQ4_NL (blocks of 32 weights) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks
-of 256, what a Q4_K_M file holds, with Q5_0 / Q8_0 where a row is not a
-multiple of 256); kernels/gguf_types.py lists them.
+IQ4_NL (blocks of 32 weights) and the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+and IQ4_XS (super-blocks of 256, what the Q2_K to Q6_K and IQ4_XS files
+hold, with Q5_0 / Q8_0 where a row is not a multiple of 256);
+kernels/gguf_types.py lists them.
 
 A GGUF file's tensors reach the model's loaders as `GGUFWeight`s: the
 file's bytes, one row of blocks per output feature, sliced like the float
@@ -12,12 +13,12 @@ quantized into a uint8 parameter of those bytes before loading
 for); the loaders then copy bytes. On a CPU `pack_kept_weights` rearranges
 the 32-weight types into the panels that `csrc/gguf_linear_cpu.cpp` reads,
 while the K-quants stay as the file rows them, for
-`csrc/gguf_kquant_integer_cpu.cpp` (steps of up to 32 rows, in integers
-against activations rounded to Q8_K) and `csrc/gguf_kquant_cpu.cpp` (float32
-tiles, larger steps); on CUDA only Q4_0, Q4_1 and Q8_0 are kept
-(TRITON_TYPES), as the file rows them, for `triton_ops.gguf_linear`, which
-reads no others: CUDA dequantizes those at load. `linear`
-(kernels/linear.py) and the embedding call `quantized_linear` and
+`csrc/gguf_kquant_integer_cpu.cpp` (steps of up to KQUANT_INTEGER_ROWS rows,
+in integers against activations rounded to Q8_K) and `csrc/gguf_kquant_cpu.cpp`
+(float32 tiles, larger steps), `quantized_linear` choosing between them; on
+CUDA only Q4_0, Q4_1 and Q8_0 are kept (TRITON_TYPES), as the file rows them,
+for `triton_ops.gguf_linear`, which reads no others: CUDA dequantizes those at
+load. `linear` (kernels/linear.py) and the embedding call `quantized_linear` and
 `quantized_embedding`. The default model, SmolLM2-135M Q4_1, then holds 92
 MiB of weights instead of 260 MiB of bfloat16 plus its bfloat16 decode copy.
 
@@ -33,6 +34,7 @@ dequantized at load into gguf-py's values.
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -122,7 +124,7 @@ def copy_weight(dst: torch.Tensor, src: Any) -> torch.Tensor:
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] -> [..., N] for a kept weight: on a CPU its blocks packed in
     panels (gguf_linear) or, for a K-quant, the file's rows of super-blocks
-    (gguf_kquant_linear); on CUDA the file's rows of blocks (Triton). A weight
+    (`_kquant_linear`); on CUDA the file's rows of blocks (Triton). A weight
     of parts multiplies each into its slice of the output."""
     parts = getattr(weight, "gguf_parts", None)
     if parts is not None:
@@ -133,17 +135,38 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         from fleet.kernels import triton_ops
 
         out = triton_ops.gguf_linear(rows, weight, weight.gguf_type, bias)
-    elif weight.gguf_type in K_QUANTS and _dequantizes_for_onednn(rows):
-        out = F.linear(rows, dequantize_kept(weight, torch.bfloat16), bias)
     elif weight.gguf_type in K_QUANTS:
-        out = cpu_kernels().gguf_kquant_linear(rows, weight, weight.gguf_type, weight.gguf_shape[0], bias)
+        out = _kquant_linear(rows, weight, bias)
     else:
         out = cpu_kernels().gguf_linear(rows, weight, weight.gguf_type, weight.gguf_shape[0], bias)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 KQUANT_INTEGER_ROWS = 32
-"""Most rows csrc/gguf_kquant_cpu.cpp takes through its integer path (its INTEGER_ROWS)."""
+"""Most rows a K-quant step rounds to Q8_K and multiplies in integers, where
+the class has that path; larger steps (prefill) keep the dequantized model's
+products. The bound is not speed: the integer path is the faster at every size
+measured (1 thread, weights in L2, ns per super-block and row of x, Q4_K:
+rows 8 / 32 / 128 take 2.6 / 2.6 / 2.7 integer vs 6.9 / 4.7 / 4.4 float on the
+Zen 4's class; 3.6 / 3.5 / 3.6 vs 9.1 / 6.5 / 9.4 held to avx2; Q5_K and Q6_K
+alike). It is where steps stop being decode, as csrc/gguf_linear_cpu.cpp's
+Q8_ROWS: a prefill keeps transformers' logits at ~1.7x the integer path's time."""
+
+
+def _kquant_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [M, K] times a K-quant weight by the path its step takes: integers
+    (few rows, a class with the path), oneDNN on the weight dequantized to
+    bfloat16 (a bfloat16 prefill on native bfloat16), else the float32 tiles."""
+    if _dequantizes_for_onednn(rows):
+        return F.linear(rows, dequantize_kept(weight, torch.bfloat16), bias)
+    integer = rows.shape[0] <= KQUANT_INTEGER_ROWS and kquant_integer_compiled()
+    return cpu_kernels().gguf_kquant_linear_by(rows, weight, weight.gguf_type, weight.gguf_shape[0], bias, integer)
+
+
+@functools.cache
+def kquant_integer_compiled() -> bool:
+    """Whether the CPU kernels, as built for this CPU class, have the K-quants' integer path (AVX2 and up)."""
+    return cpu_kernels().gguf_kquant_integer_compiled()
 
 
 def _dequantizes_for_onednn(rows: torch.Tensor) -> bool:

@@ -1,12 +1,14 @@
 """K-quant linears multiplied in their super-blocks (csrc/gguf_kquant_cpu.cpp)
 by both paths: the integers of x rounded to Q8_K, and the float32 tiles, for
 a 1B Llama's shapes (hidden 2048, MLP 8192, 16 layers, as a Q4_K_M file
-holds it: Q4_K with Q6_K in some tensors, the head Q6_K). Each line gives ms
+holds it: Q4_K with Q6_K in some tensors, the head Q6_K; --types times
+others, Q2_K, Q3_K and IQ4_XS among them, in every shape). Each line gives ms
 per call and the weight bytes read per second, per type, number of rows and
-threads; gguf_kquant_linear takes the integer path up to INTEGER_ROWS rows.
+threads; quantized_linear takes the integer path up to KQUANT_INTEGER_ROWS rows.
 
     python -P scripts/bench_gguf_kquant.py [--threads 1 2] [--rows 1 2 4 8 16 32 128] [--shapes qkv down]
     FLEET_CPU_ISA=avx2 python -P scripts/bench_gguf_kquant.py --types Q4_K
+    python -P scripts/bench_gguf_kquant.py --shapes down --threads 1 --types Q2_K Q3_K IQ4_XS
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from fleet.kernels.quantized import KEPT_TYPES
 SHAPES = {"qkv": (3072, 2048, ("Q4_K", "Q5_K", "Q6_K")), "o": (2048, 2048, ("Q4_K", "Q5_K", "Q6_K")),
           "gate_up": (16384, 2048, ("Q4_K", "Q5_K", "Q6_K")), "down": (2048, 8192, ("Q4_K", "Q5_K", "Q6_K")),
           "head": (49152, 2048, ("Q6_K",))}
-SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
 """Where each type's float16 d (and dmin) sit in its super-block."""
 CACHE_BYTES = 96 << 20
 """Weights cycled through per shape: more than the caches hold, as a forward's layers are."""

@@ -5,29 +5,41 @@
 // A weight stays as the file rows it: one row of super-blocks of 256 weights
 // per output feature, each as ggml lays it out (gguf-py's quants.py reads the
 // same bytes):
+//   Q2_K (84 bytes): 16 bytes of 4-bit scale (low) and min (high) per
+//     sub-block of 16, 64 bytes of 2-bit quants, fp16 d, fp16 dmin;
+//     w = d sc q - dmin m
+//   Q3_K (110 bytes): 32 bytes of high bits, 64 of 2-bit low quants, 12 of
+//     packed 6-bit scales (16 sub-blocks of 16), fp16 d;
+//     w = d (sc - 32) (q - (high bit ? 0 : 4))
 //   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of packed 6-bit scales and
 //     mins (8 sub-blocks of 32), 128 bytes of nibbles;
 //     w = d sc q - dmin m
 //   Q5_K (176 bytes): as Q4_K, with 32 bytes of fifth bits before the nibbles
 //   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
 //     int8 scales (16 sub-blocks of 16), fp16 d;  w = d sc (q - 32)
-// d sc (11 by at most 8 significant bits) and its product with q (at most
-// 6) are exact in float32, so the weights are gguf-py's whatever the order
-// of the products: only Q4_K/Q5_K's subtraction of dmin m rounds, once.
+//   IQ4_XS (136 bytes): fp16 d, 2 + 4 bytes of packed 6-bit scales (8
+//     sub-blocks of 32), 128 bytes of nibbles indexing IQ4_NL's table;
+//     w = d (sc - 32) KVALUES_IQ4NL[q]
+// d sc q is exact in float32 (d's 11 significant bits, and at most 12 of the
+// scale and quant together: Q6_K's 7-bit scales by 5-bit q, IQ4_XS's 5-bit
+// scales by 7-bit table entries), so the weights are gguf-py's whatever the
+// order of the products: only the subtraction of dmin m (Q2_K, Q4_K, Q5_K)
+// rounds, once.
 //
-// The multiply has two paths. Steps of up to INTEGER_ROWS rows (decode,
-// small batches), on classes with AVX2, round x to Q8_K and multiply the
-// blocks' integers (gguf_kquant_integer_cpu.cpp). Larger steps, and every
-// step on class baseline, take TILE output features at a time: per
-// super-block, their weights are dequantized into a float32 tile [TILE][256],
-// rounded to x's dtype as loading dequantized weights did, and multiplied
-// against ROWS rows of x at a time, accumulating in float32: the dequantized
-// model's products, summed in another order (LANES partial sums per row and
-// feature, one vector register wide, added up at the end). The tile code is
-// plain C++ with GCC's vector extension for those registers, so every CPU
-// class compiles the same code for its own -march: 4 lanes on x86-64
-// baseline (SSE2), 8 on AVX2, 16 on AVX-512. gguf_kquant_linear_by names
-// the path (for tests and scripts/bench_gguf_kquant.py).
+// The multiply has two paths, and kernels/quantized.py chooses between them
+// (gguf_kquant_linear_by names the path; gguf_kquant_integer_compiled says
+// whether this class has the first). The integer path (classes with AVX2)
+// rounds x to Q8_K and multiplies the blocks' integers
+// (gguf_kquant_integer_cpu.cpp). The float32 tiles, on every class, take
+// TILE output features at a time: per super-block, their weights are
+// dequantized into a float32 tile [TILE][256], rounded to x's dtype as
+// loading dequantized weights did, and multiplied against ROWS rows of x at a
+// time, accumulating in float32: the dequantized model's products, summed in
+// another order (LANES partial sums per row and feature, one vector register
+// wide, added up at the end). The tile code is plain C++ with GCC's vector
+// extension for those registers, so every CPU class compiles the same code
+// for its own -march: 4 lanes on x86-64 baseline (SSE2), 8 on AVX2, 16 on
+// AVX-512.
 //
 // Registered in torch.ops.fleet_cpu.
 #include <ATen/Parallel.h>
@@ -62,6 +74,34 @@ constexpr int64_t LANES = 8;
 #else
 constexpr int64_t LANES = 4;
 #endif
+
+// Q2_K and Q3_K: weight k = 128 h + 32 s + l takes bits 2s of quant byte
+// 32 h + l; Q3_K's high bit is bit k / 32 of byte k % 32 (set: q as it is,
+// clear: q - 4). A scale (and Q2_K's min) per 16 weights.
+template <int64_t TYPE>
+void dequantize_2_or_3_bits(const uint8_t* block, float* out) {
+  const uint8_t* quants = block + (TYPE == Q2_K ? 16 : 32);
+  const uint8_t* high_bits = block;
+  uint8_t scale_bits[16];
+  if constexpr (TYPE == Q3_K) {
+    const auto words = q3_k_scale_words(block + 96);
+    std::memcpy(scale_bits, words.data(), sizeof(scale_bits));
+  }
+  const float d = half_at(block + (TYPE == Q2_K ? 80 : 108)), dmin = TYPE == Q2_K ? half_at(block + 82) : 0.f;
+  for (int j = 0; j < 16; ++j) {
+    const int k0 = 16 * j, shift = 2 * (k0 / 32 % 4), high = k0 / 32;
+    const uint8_t* q = quants + 32 * (k0 / 128) + k0 % 32;
+    const uint8_t* h = high_bits + k0 % 32;
+    // exact products: d by a 4- or 6-bit scale, then by a 2- or 3-bit quant
+    const float step = TYPE == Q2_K ? d * float(block[j] & 0xF) : d * float(int(scale_bits[j]) - 32);
+    const float offset = TYPE == Q2_K ? dmin * float(block[j] >> 4) : 0.f;
+    for (int l = 0; l < 16; ++l) {
+      int v = (q[l] >> shift) & 3;
+      if constexpr (TYPE == Q3_K) v -= (h[l] >> high) & 1 ? 0 : 4;
+      out[k0 + l] = step * float(v) - offset;  // one rounding (Q2_K's), as gguf-py's
+    }
+  }
+}
 
 // Sub-block pairs of Q4_K/Q5_K: 32 bytes of nibbles hold sub-block 2c (low)
 // and 2c + 1 (high); Q5_K's bit j of fifth-bit byte l is weight l of sub-block j.
@@ -110,28 +150,38 @@ void dequantize_6_bits(const uint8_t* block, float* out) {
   }
 }
 
+// IQ4_XS: sub-block j (32 weights) has bytes 16 j .. 16 j + 15 of the
+// nibbles, weight l < 16 in the low nibble of byte l, l + 16 in its high one,
+// each an index into IQ4_NL's table.
+void dequantize_iq4_xs(const uint8_t* block, float* out) {
+  const float d = half_at(block);
+  const uint64_t scale_bits = iq4_xs_scale_bits(block);
+  for (int j = 0; j < 8; ++j) {
+    const float step = d * float(int((scale_bits >> (8 * j)) & 0x3F) - 32);  // exact, and so is step * an entry
+    const uint8_t* q = block + 8 + 16 * j;
+    float* w = out + 32 * j;
+    for (int l = 0; l < 16; ++l) {
+      w[l] = step * float(fleet_gguf::KVALUES_IQ4NL[q[l] & 0xF]);
+      w[l + 16] = step * float(fleet_gguf::KVALUES_IQ4NL[q[l] >> 4]);
+    }
+  }
+}
+
 // The 256 float32 weights of one super-block: gguf-py's values, bit for bit.
 template <int64_t TYPE>
 void dequantize_block(const uint8_t* block, float* out) {
-  if constexpr (TYPE == Q6_K) {
+  if constexpr (TYPE == Q2_K || TYPE == Q3_K) {
+    dequantize_2_or_3_bits<TYPE>(block, out);
+  } else if constexpr (TYPE == Q6_K) {
     dequantize_6_bits(block, out);
+  } else if constexpr (TYPE == IQ4_XS) {
+    dequantize_iq4_xs(block, out);
   } else {
     dequantize_4_or_5_bits<TYPE>(block, out);
   }
 }
 
 // ---- the multiply ---------------------------------------------------------------------
-
-// Steps of up to this many rows (decode, small batches) round x to Q8_K and
-// multiply integers; larger ones (prefill) multiply the exact float32 tiles.
-// The bound is not speed: the integer path is the faster at every size
-// measured (1 thread, weights in L2, ns per super-block and row of x, Q4_K:
-// rows 8 / 32 / 128 take 2.6 / 2.6 / 2.7 integer vs 6.9 / 4.7 / 4.4 float
-// on this Zen 4's class; 3.6 / 3.5 / 3.6 vs 9.1 / 6.5 / 9.4 held to avx2;
-// Q5_K and Q6_K alike). It is where steps stop being decode, as
-// gguf_linear_cpu.cpp's Q8_ROWS: a prefill keeps the dequantized model's
-// products (transformers' logits) at ~1.7x the integer path's time.
-constexpr int64_t INTEGER_ROWS = 32;
 
 using Tile = float[TILE][SUPER];
 
@@ -253,7 +303,7 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
 }
 
 // y = x W^T (+ bias) by the path named: the integers of Q8_K-rounded x, or
-// the float32 tiles (gguf_kquant_linear chooses by the number of rows).
+// the float32 tiles (kernels/quantized.py chooses).
 at::Tensor gguf_kquant_linear_by(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t out_features,
                                  const std::optional<at::Tensor>& bias, bool integer) {
   const auto dtype = x.scalar_type();
@@ -274,11 +324,8 @@ at::Tensor gguf_kquant_linear_by(const at::Tensor& x, const at::Tensor& blocks, 
   }
 }
 
-at::Tensor gguf_kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t out_features,
-                              const std::optional<at::Tensor>& bias) {
-  const bool integer = FLEET_KQUANT_INTEGER && x.dim() == 2 && x.size(0) <= INTEGER_ROWS;
-  return gguf_kquant_linear_by(x, blocks, type, out_features, bias, integer);
-}
+// Whether this CPU class's build has the integer path (FLEET_KQUANT_INTEGER).
+bool gguf_kquant_integer_compiled() { return FLEET_KQUANT_INTEGER; }
 
 // ---- rows of a table (embeddings) -----------------------------------------------------
 
@@ -324,15 +371,15 @@ at::Tensor gguf_kquant_rows(const at::Tensor& blocks, int64_t type, int64_t in_f
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fleet_cpu, m) {
-  m.def("gguf_kquant_linear(Tensor x, Tensor blocks, int quant_type, int out_features, Tensor? bias) -> Tensor");
   m.def(
       "gguf_kquant_linear_by(Tensor x, Tensor blocks, int quant_type, int out_features, Tensor? bias, bool integer) "
       "-> Tensor");
+  // No tensor to dispatch on: one kernel for every backend.
+  m.def("gguf_kquant_integer_compiled() -> bool", &gguf_kquant_integer_compiled);
   m.def("gguf_kquant_rows(Tensor blocks, int quant_type, int in_features, Tensor ids, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fleet_cpu, CPU, m) {
-  m.impl("gguf_kquant_linear", &gguf_kquant_linear);
   m.impl("gguf_kquant_linear_by", &gguf_kquant_linear_by);
   m.impl("gguf_kquant_rows", &gguf_kquant_rows);
 }

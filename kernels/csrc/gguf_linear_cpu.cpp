@@ -81,6 +81,8 @@
 #include <utility>
 #include <vector>
 
+#include "gguf_iq4nl_values.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include "simd_convert.h"
 #define FLEET_GGUF_AVX512_BF16 1
@@ -100,7 +102,7 @@ constexpr int64_t PAIRS = BLOCK / 2;
 enum QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20 };
 
 // IQ4_NL's weights: d times the entry its nibble indexes (ggml's kvalues_iq4nl).
-constexpr int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr const int8_t (&KVALUES)[16] = fleet_gguf::KVALUES_IQ4NL;
 
 void check_type(int64_t type) {
   TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == IQ4_NL,

@@ -1,4 +1,4 @@
-"""K-quant weights (Q4_K, Q5_K, Q6_K) kept in the file's super-blocks
+"""K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) kept in the file's super-blocks
 (kernels/quantized.py, csrc/gguf_kquant_cpu.cpp) against gguf-py, the
 library transformers reads GGUF files with: looking rows up gives its
 dequantized values bit for bit, the multiply its dequantized weights'
@@ -7,6 +7,7 @@ products.
 gguf-py cannot quantize into K-quants, so the blocks are random bytes (every
 byte pattern of the quants and packed scales is valid) with small positive
 float16 d and dmin; gguf-py's `dequantize` is the reference.
+kernels/quantized.py chooses the path; each path is also called by name.
 
 The multiply has two paths. The float32 tiles (steps of more than
 INTEGER_ROWS rows, and every step on class baseline) multiply the exact
@@ -34,11 +35,11 @@ import torch
 
 from fleet.config.cpu_class import CpuClass, cpu_class, cpu_computes_bfloat16
 from fleet.kernels.linear import AMX_BLOCK_ROWS, keep_amx_weights, linear
-from fleet.kernels.quantized import KEPT_TYPES, GGUFWeight, quantized_linear
+from fleet.kernels.quantized import KEPT_TYPES, GGUFWeight, kquant_integer_compiled, quantized_linear
 from fleet.kernels.quantized import KQUANT_INTEGER_ROWS as INTEGER_ROWS
 
-TYPES = ["Q4_K", "Q5_K", "Q6_K"]
-SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
 """Where each type's float16 d (and dmin) sit in its super-block."""
 
 
@@ -61,6 +62,12 @@ def type_of(kind: str) -> int:
     return int(gguf.GGMLQuantizationType[kind])
 
 
+def kept(blocks: torch.Tensor, kind: str, out_features: int, in_features: int) -> torch.Tensor:
+    """`blocks` as keep_quantized leaves a kept weight: tagged with its type and shape."""
+    blocks.gguf_type, blocks.gguf_shape = type_of(kind), (out_features, in_features)
+    return blocks
+
+
 @pytest.mark.parametrize("kind", TYPES)
 @pytest.mark.parametrize("rows,columns", [(1, 256), (45, 512), (96, 768)])
 def test_rows_are_gguf_py_dequantization(ops, kind, rows, columns):
@@ -78,8 +85,12 @@ def has_integer_path() -> bool:
 
 
 def takes_integer_path(rows: int) -> bool:
-    """Whether gguf_kquant_linear rounds a step of `rows` rows to Q8_K here."""
+    """Whether quantized_linear rounds a float32 step of `rows` rows to Q8_K here."""
     return has_integer_path() and rows <= INTEGER_ROWS
+
+
+def test_the_build_has_the_integer_path_from_class_avx2(ops):
+    assert kquant_integer_compiled() == ops.gguf_kquant_integer_compiled() == has_integer_path()
 
 
 def q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +126,7 @@ def test_float32_multiply_is_the_dequantized_weights_product(ops, kind, rows, ou
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(2))
     for b in (bias, None):
-        out = ops.gguf_kquant_linear(x, blocks, type_of(kind), out_features, b)
+        out = quantized_linear(x, kept(blocks, kind, out_features, in_features), b)
         if takes_integer_path(rows):
             assert_integer_product(out, x, weight, b)
         else:
@@ -137,7 +148,7 @@ def test_integer_path_is_the_rounded_x_product(ops, kind, rows, out_features, in
     exact = ops.gguf_kquant_linear_by(x, blocks, type_of(kind), out_features, bias, False)
     expected = x.double() @ weight.double().T + bias.double()
     assert ((exact.double() - expected).abs() <= 1e-5 * (x.double().abs() @ weight.double().abs().T) + 1e-6).all()
-    chosen = ops.gguf_kquant_linear(x, blocks, type_of(kind), out_features, bias)
+    chosen = quantized_linear(x, kept(blocks, kind, out_features, in_features), bias)
     assert torch.equal(chosen, out if rows <= INTEGER_ROWS else exact)
 
 
@@ -170,7 +181,7 @@ def test_bfloat16_multiply_is_the_rounded_weights_product(ops, kind, rows):
     blocks, weight = quantized(kind, out_features, in_features)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(4)).bfloat16()
-    out = ops.gguf_kquant_linear(x, blocks, type_of(kind), out_features, bias)
+    out = ops.gguf_kquant_linear_by(x, blocks, type_of(kind), out_features, bias, takes_integer_path(rows))
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     if takes_integer_path(rows):
         expected = q8_k(x)[0].float() @ weight.T + bias.float()
@@ -187,10 +198,9 @@ def test_bfloat16_prefill_is_the_dequantized_models_linear(ops, kind):
     gives, bit for bit; elsewhere the float32 tiles (the bound above)."""
     out_features, in_features, rows = 45, 512, INTEGER_ROWS + 7
     blocks, weight = quantized(kind, out_features, in_features)
-    blocks.gguf_type, blocks.gguf_shape = type_of(kind), (out_features, in_features)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(5)).bfloat16()
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(6)).bfloat16()
-    out = quantized_linear(x, blocks, bias)
+    out = quantized_linear(x, kept(blocks, kind, out_features, in_features), bias)
     dequantized_model = torch.nn.functional.linear(x, weight.bfloat16(), bias)
     if cpu_computes_bfloat16():
         assert torch.equal(out, dequantized_model)
@@ -201,18 +211,22 @@ def test_bfloat16_prefill_is_the_dequantized_models_linear(ops, kind):
 def test_bad_inputs_are_refused(ops):
     blocks, _ = quantized("Q4_K", 32, 512)
     q4_k = type_of("Q4_K")
+
+    def linear_by(*args):  # the float32 tiles: both paths check their inputs alike
+        return ops.gguf_kquant_linear_by(*args, False)
+
     with pytest.raises(RuntimeError, match="no K-quant CPU kernel"):
-        ops.gguf_kquant_linear(torch.randn(2, 512), blocks, type_of("Q4_0"), 32, None)
+        linear_by(torch.randn(2, 512), blocks, type_of("Q4_0"), 32, None)
     with pytest.raises(RuntimeError, match="do not hold"):
-        ops.gguf_kquant_linear(torch.randn(2, 512), blocks, type_of("Q6_K"), 32, None)
+        linear_by(torch.randn(2, 512), blocks, type_of("Q6_K"), 32, None)
     with pytest.raises(RuntimeError, match="do not hold 768 input features"):
-        ops.gguf_kquant_linear(torch.randn(2, 768), blocks, q4_k, 32, None)
+        linear_by(torch.randn(2, 768), blocks, q4_k, 32, None)
     with pytest.raises(RuntimeError, match="not 33 output features"):
-        ops.gguf_kquant_linear(torch.randn(2, 512), blocks, q4_k, 33, None)
+        linear_by(torch.randn(2, 512), blocks, q4_k, 33, None)
     with pytest.raises(RuntimeError, match="x: contiguous"):
-        ops.gguf_kquant_linear(torch.randn(512, 2).T, blocks, q4_k, 32, None)
+        linear_by(torch.randn(512, 2).T, blocks, q4_k, 32, None)
     with pytest.raises(RuntimeError, match="bias"):
-        ops.gguf_kquant_linear(torch.randn(2, 512), blocks, q4_k, 32, torch.randn(32).bfloat16())
+        linear_by(torch.randn(2, 512), blocks, q4_k, 32, torch.randn(32).bfloat16())
     with pytest.raises(RuntimeError, match="uint8"):
         ops.gguf_kquant_rows(blocks.view(torch.int8), q4_k, 512, torch.tensor([0]), torch.float32)
     with pytest.raises(RuntimeError, match="outside the table"):
