@@ -47,7 +47,9 @@ from torch import nn
 
 from fleet.config.cpu_class import cpu_computes_bfloat16
 from fleet.kernels.cpu_extension import cpu_kernels
-from fleet.kernels.gguf_types import K_QUANTS, KEPT_TYPES, TRITON_TYPES, TypeHolding, keeps_type, type_name
+from fleet.kernels.gguf_types import (
+    DEQUANTIZE_SCRATCH_BYTES, K_QUANTS, KEPT_TYPES, TRITON_TYPES, TypeHolding, keeps_type, type_name,
+)
 
 
 @dataclass
@@ -158,7 +160,7 @@ def _kquant_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     (few rows, a class with the path), oneDNN on the weight dequantized to
     bfloat16 (a bfloat16 prefill on native bfloat16), else the float32 tiles."""
     if _dequantizes_for_onednn(rows):
-        return F.linear(rows, dequantize_kept(weight, torch.bfloat16), bias)
+        return _dequantized_linear(rows, weight, bias)
     integer = rows.shape[0] <= KQUANT_INTEGER_ROWS and kquant_integer_compiled()
     return cpu_kernels().gguf_kquant_linear_by(rows, weight, weight.gguf_type, weight.gguf_shape[0], bias, integer)
 
@@ -179,6 +181,30 @@ def _dequantizes_for_onednn(rows: torch.Tensor) -> bool:
     dequantization alone is about the tiles' time, so steps the integer path
     takes stay there."""
     return rows.shape[0] > KQUANT_INTEGER_ROWS and rows.dtype == torch.bfloat16 and cpu_computes_bfloat16()
+
+
+_scratch: torch.Tensor | None = None
+
+
+def _dequantized_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows x W^T (+ bias) by oneDNN's bfloat16 GEMM, on the weight dequantized
+    a run of rows at a time into one buffer (DEQUANTIZE_SCRATCH_BYTES)."""
+    global _scratch
+    num_features, num_inputs = weight.gguf_shape
+    if _scratch is None:
+        _scratch = torch.empty(DEQUANTIZE_SCRATCH_BYTES // 2, dtype=torch.bfloat16)
+    run = max(1, _scratch.numel() // num_inputs)
+    if run >= num_features:
+        dequantized = _scratch[: num_features * num_inputs].view(num_features, num_inputs)
+        cpu_kernels().gguf_kquant_dequantize_into(weight, weight.gguf_type, 0, dequantized)
+        return F.linear(rows, dequantized, bias)
+    out = torch.empty(rows.shape[0], num_features, dtype=rows.dtype)
+    for first in range(0, num_features, run):
+        size = min(run, num_features - first)
+        dequantized = _scratch[: size * num_inputs].view(size, num_inputs)
+        cpu_kernels().gguf_kquant_dequantize_into(weight, weight.gguf_type, first, dequantized)
+        out[:, first : first + size] = F.linear(rows, dequantized, None if bias is None else bias[first : first + size])
+    return out
 
 
 def quantized_embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -28,7 +28,7 @@ import psutil
 
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
-from fleet.kernels.gguf_types import TypeHolding, planned_holding
+from fleet.kernels.gguf_types import DEQUANTIZE_SCRATCH_BYTES, TypeHolding, planned_holding
 from fleet.parallel.dims import node_engine_ranks, node_worker_ranks, runs_api_servers, runs_dp_coordinator
 from fleet.workers.gguf_file import read_gguf_tensors
 
@@ -319,12 +319,14 @@ def _expert_parallel_size(parallel: ParallelConfig) -> int:
 def worker_activation_bytes(config: FleetConfig) -> int:
     """Temporaries of the largest step: --max-num-batched-tokens through a
     layer (hidden states, q/k/v, the MLP's gate and up projections) and the
-    logits of --max-num-seqs rows with their sampling copies."""
+    logits of --max-num-seqs rows with their sampling copies; for a GGUF
+    file, the buffer a K-quant prefill dequantizes its weights into."""
     shape, tp = _shape(config), config.parallel.tensor_parallel_size
     tokens, rows = config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs
     qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim / tp
     per_token = 8 * shape.hidden + 3 * shape.intermediate / tp + 2 * qkv
-    return int((tokens * per_token + 3 * rows * shape.vocab) * ACTIVATION_BYTES)
+    scratch = DEQUANTIZE_SCRATCH_BYTES if config.model.is_gguf else 0  # a K-quant prefill's dequantized weights
+    return int((tokens * per_token + 3 * rows * shape.vocab) * ACTIVATION_BYTES) + scratch
 
 
 # ---- the node -------------------------------------------------------------------------

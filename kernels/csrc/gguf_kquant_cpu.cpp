@@ -329,18 +329,57 @@ bool gguf_kquant_integer_compiled() { return FLEET_KQUANT_INTEGER; }
 
 // ---- rows of a table (embeddings) -----------------------------------------------------
 
-template <int64_t TYPE, typename Out>
-void gather_rows(const uint8_t* rows, int64_t K, const int64_t* ids, int64_t T, Out* out) {
+// 16 float32s rounded to bfloat16 as c10::BFloat16 rounds them (to nearest
+// even; NaN to 0x7FC0), a vector at a time: the element-wise constructor
+// costs a bfloat16 prefill's weight dequantization (kernels/quantized.py)
+// three times its float32 work.
+inline void store_bfloat16(const float* in, at::BFloat16* out) {
+  using Bits = uint32_t __attribute__((vector_size(64)));
+  using Floats = float __attribute__((vector_size(64)));
+  using Halves = uint16_t __attribute__((vector_size(32)));
+  Floats value;
+  std::memcpy(&value, in, sizeof(value));
+  Bits bits;
+  std::memcpy(&bits, in, sizeof(bits));
+  const Bits rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+  const Bits is_nan = reinterpret_cast<Bits>(value != value);  // all ones where NaN
+  const Halves narrow = __builtin_convertvector((rounded & ~is_nan) | (is_nan & 0x7FC0), Halves);
+  std::memcpy(out, &narrow, sizeof(narrow));
+}
+
+template <typename Out>
+void store_weights(const float* weights, Out* out) {
+  if constexpr (std::is_same_v<Out, at::BFloat16>) {
+    for (int64_t k = 0; k < SUPER; k += 16) store_bfloat16(weights + k, out + k);
+  } else {
+    for (int64_t k = 0; k < SUPER; ++k) out[k] = Out(weights[k]);
+  }
+}
+
+// out[t] = the weights of row row_of(t) of `rows`, for t < T.
+template <int64_t TYPE, typename Out, typename RowOf>
+void dequantize_rows(const uint8_t* rows, int64_t K, int64_t T, RowOf row_of, Out* out) {
   const int64_t blocks = K / SUPER, row_bytes = blocks * block_bytes(TYPE);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     float weights[SUPER];
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t b = 0; b < blocks; ++b) {
-        dequantize_block<TYPE>(rows + ids[t] * row_bytes + b * block_bytes(TYPE), weights);
-        for (int64_t k = 0; k < SUPER; ++k) out[t * K + b * SUPER + k] = Out(weights[k]);
+        dequantize_block<TYPE>(rows + row_of(t) * row_bytes + b * block_bytes(TYPE), weights);
+        store_weights(weights, out + t * K + b * SUPER);
       }
     }
   });
+}
+
+template <typename F>
+void with_out_dtype(at::ScalarType dtype, F&& f) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "GGUF rows dequantize into float32, bfloat16 or float16, not ", dtype);
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    default: f(at::Half{}); break;
+  }
 }
 
 at::Tensor gguf_kquant_rows(const at::Tensor& blocks, int64_t type, int64_t in_features, const at::Tensor& ids,
@@ -348,8 +387,6 @@ at::Tensor gguf_kquant_rows(const at::Tensor& blocks, int64_t type, int64_t in_f
   const int64_t K = in_features;
   check_blocks(blocks, type, K);
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: contiguous int64 [T]");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "GGUF rows dequantize into float32, bfloat16 or float16, not ", dtype);
   const int64_t T = ids.size(0), rows = blocks.size(0);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
@@ -357,15 +394,30 @@ at::Tensor gguf_kquant_rows(const at::Tensor& blocks, int64_t type, int64_t in_f
   }
   at::Tensor out = at::empty({T, K}, blocks.options().dtype(dtype));
   with_type(type, [&](auto kind) {
-    constexpr int64_t TYPE = decltype(kind)::value;
-    const uint8_t* data = blocks.data_ptr<uint8_t>();
-    switch (dtype) {
-      case at::kFloat: gather_rows<TYPE>(data, K, id, T, out.data_ptr<float>()); break;
-      case at::kBFloat16: gather_rows<TYPE>(data, K, id, T, out.data_ptr<at::BFloat16>()); break;
-      default: gather_rows<TYPE>(data, K, id, T, out.data_ptr<at::Half>()); break;
-    }
+    with_out_dtype(dtype, [&](auto out_type) {
+      dequantize_rows<decltype(kind)::value>(blocks.data_ptr<uint8_t>(), K, T, [id](int64_t t) { return id[t]; },
+                                             out.data_ptr<decltype(out_type)>());
+    });
   });
   return out;
+}
+
+// out = rows [first_row, first_row + out.size(0)) of the weight, dequantized
+// into a buffer the caller keeps (kernels/quantized.py: a fresh tensor of a
+// whole weight would be page-faulted in on every prefill step).
+void gguf_kquant_dequantize_into(const at::Tensor& blocks, int64_t type, int64_t first_row, at::Tensor& out) {
+  check_blocks(blocks, type, out.size(-1));
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out: contiguous [rows, in_features]");
+  const int64_t T = out.size(0), K = out.size(1);
+  TORCH_CHECK(first_row >= 0 && first_row + T <= blocks.size(0), "rows [", first_row, ", ", first_row + T,
+              ") outside the weight's ", blocks.size(0));
+  with_type(type, [&](auto kind) {
+    with_out_dtype(out.scalar_type(), [&](auto out_type) {
+      dequantize_rows<decltype(kind)::value>(blocks.data_ptr<uint8_t>(), K, T,
+                                             [first_row](int64_t t) { return first_row + t; },
+                                             out.data_ptr<decltype(out_type)>());
+    });
+  });
 }
 
 }  // namespace
@@ -377,9 +429,11 @@ TORCH_LIBRARY_FRAGMENT(fleet_cpu, m) {
   // No tensor to dispatch on: one kernel for every backend.
   m.def("gguf_kquant_integer_compiled() -> bool", &gguf_kquant_integer_compiled);
   m.def("gguf_kquant_rows(Tensor blocks, int quant_type, int in_features, Tensor ids, ScalarType dtype) -> Tensor");
+  m.def("gguf_kquant_dequantize_into(Tensor blocks, int quant_type, int first_row, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fleet_cpu, CPU, m) {
   m.impl("gguf_kquant_linear_by", &gguf_kquant_linear_by);
   m.impl("gguf_kquant_rows", &gguf_kquant_rows);
+  m.impl("gguf_kquant_dequantize_into", &gguf_kquant_dequantize_into);
 }

@@ -208,6 +208,28 @@ def test_bfloat16_prefill_is_the_dequantized_models_linear(ops, kind):
         torch.testing.assert_close(out.float(), dequantized_model.float(), rtol=2**-7, atol=2e-3)
 
 
+@pytest.mark.skipif(not cpu_computes_bfloat16(), reason="the dequantizing path needs native bfloat16")
+def test_bfloat16_prefill_dequantized_in_runs_of_rows_is_the_same_linear(ops, monkeypatch):
+    """A weight larger than the dequantization buffer is multiplied a run of
+    its rows at a time (here runs of 10 of 45 rows, the last of 5): the
+    same products, bias included, as F.linear of the whole dequantized weight."""
+    import fleet.kernels.quantized as quantized_module
+
+    out_features, in_features = 45, 512
+    monkeypatch.setattr(quantized_module, "_scratch", torch.empty(10 * in_features, dtype=torch.bfloat16))
+    blocks, weight = quantized("Q4_K", out_features, in_features)
+    x = torch.randn(INTEGER_ROWS + 7, in_features, generator=torch.Generator().manual_seed(7)).bfloat16()
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(8)).bfloat16()
+    out = quantized_linear(x, kept(blocks, "Q4_K", out_features, in_features), bias)
+    assert torch.equal(out, torch.nn.functional.linear(x, weight.bfloat16(), bias))
+
+
+def test_dequantize_into_refuses_rows_outside_the_weight(ops):
+    blocks, _ = quantized("Q4_K", 32, 512)
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        ops.gguf_kquant_dequantize_into(blocks, type_of("Q4_K"), 30, torch.empty(4, 512, dtype=torch.bfloat16))
+
+
 def test_bad_inputs_are_refused(ops):
     blocks, _ = quantized("Q4_K", 32, 512)
     q4_k = type_of("Q4_K")
