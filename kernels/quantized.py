@@ -175,11 +175,10 @@ def _dequantizes_for_onednn(rows: torch.Tensor) -> bool:
     """Whether a K-quant prefill step of a bfloat16 model on a CPU with native
     bfloat16 dequantizes the weight to bfloat16 for this call and runs oneDNN's
     GEMM: the products of the weights rounded to bfloat16, exactly what the
-    kernel's float32 tiles compute, at twice their speed. At 256 rows on the
-    2-core Zen 4: Q4_K 16384x2048 39.5 ms against the tiles' 80.5, 2048x8192
-    20.0 against 40.0, 3072x2048 4.8 against 16.2 (Q6_K alike); at 32 rows the
-    dequantization alone is about the tiles' time, so steps the integer path
-    takes stay there."""
+    kernel's float32 tiles compute, at over three times their speed. At 256
+    rows on the 2-core Zen 4: Q4_K 16384x2048 24.2 ms against the tiles' 80.5,
+    Q6_K 2048x8192 12.7 against 40.0 (_dequantized_linear). Steps the
+    integer path takes stay there."""
     return rows.shape[0] > KQUANT_INTEGER_ROWS and rows.dtype == torch.bfloat16 and cpu_computes_bfloat16()
 
 
@@ -190,20 +189,23 @@ def _dequantized_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """rows x W^T (+ bias) by oneDNN's bfloat16 GEMM, on the weight dequantized
     a run of rows at a time into one buffer (DEQUANTIZE_SCRATCH_BYTES)."""
     global _scratch
-    num_features, num_inputs = weight.gguf_shape
     if _scratch is None:
         _scratch = torch.empty(DEQUANTIZE_SCRATCH_BYTES // 2, dtype=torch.bfloat16)
+    num_features, num_inputs = weight.gguf_shape
     run = max(1, _scratch.numel() // num_inputs)
-    if run >= num_features:
-        dequantized = _scratch[: num_features * num_inputs].view(num_features, num_inputs)
-        cpu_kernels().gguf_kquant_dequantize_into(weight, weight.gguf_type, 0, dequantized)
-        return F.linear(rows, dequantized, bias)
+
+    def dequantized(first: int, size: int) -> torch.Tensor:
+        view = _scratch[: size * num_inputs].view(size, num_inputs)
+        cpu_kernels().gguf_kquant_dequantize_into(weight, weight.gguf_type, first, view)
+        return view
+
+    if run >= num_features:  # one run: no output to assemble
+        return F.linear(rows, dequantized(0, num_features), bias)
     out = torch.empty(rows.shape[0], num_features, dtype=rows.dtype)
     for first in range(0, num_features, run):
         size = min(run, num_features - first)
-        dequantized = _scratch[: size * num_inputs].view(size, num_inputs)
-        cpu_kernels().gguf_kquant_dequantize_into(weight, weight.gguf_type, first, dequantized)
-        out[:, first : first + size] = F.linear(rows, dequantized, None if bias is None else bias[first : first + size])
+        out[:, first : first + size] = F.linear(rows, dequantized(first, size),
+                                                None if bias is None else bias[first : first + size])
     return out
 
 

