@@ -173,10 +173,15 @@ class ForeignProcess:
     def __init__(self, name: str, pid: int):
         self.name = name
         self.pid = pid
+        try:  # one handle, asked ten times a second: it also knows a later process given the same pid
+            self._process: psutil.Process | None = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            self._process = None
 
     def alive(self) -> bool:
         try:
-            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+            return (self._process is not None and self._process.is_running()
+                    and self._process.status() != psutil.STATUS_ZOMBIE)
         except psutil.NoSuchProcess:
             return False
 

@@ -15,6 +15,20 @@ TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 N_BUCKETS = (1, 2, 5, 10, 20)
 
 
+def _children_by_engine(metric, model_name: str):
+    """engine -> the metric's child for it, looked up once: prometheus_client's
+    labels() takes a lock and builds the key on every call, and the stats of
+    every step (every streamed token) set eleven of them."""
+    children = {}
+
+    def child(engine):
+        found = children.get(engine)
+        if found is None:
+            found = children[engine] = metric.labels(model_name=model_name, engine=str(engine))
+        return found
+    return child
+
+
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -22,7 +36,7 @@ class Metrics:
         r = self.registry
 
         def per_engine(metric):
-            return lambda engine: metric.labels(model_name=model_name, engine=str(engine))
+            return _children_by_engine(metric, model_name)
 
         self.num_running = per_engine(Gauge("fleet:num_requests_running", "Requests in the running batch.", ["model_name", "engine"], registry=r))
         self.num_waiting = per_engine(Gauge("fleet:num_requests_waiting", "Requests waiting to run.", ["model_name", "engine"], registry=r))
@@ -88,17 +102,22 @@ class Metrics:
         self._routing_decisions.labels(model_name=self.model_name, reason=reason).inc()
 
     def observe_scheduler(self, stats: SchedulerStats, engine: int) -> None:
+        """Every step's stats (each streamed token's): a counter is incremented only by what is not zero."""
         self.num_running(engine).set(stats.num_running)
         self.num_waiting(engine).set(stats.num_waiting)
         self.kv_usage(engine).set(stats.kv_cache_usage)
-        self.prefix_queries(engine).inc(stats.prefix_cache_queries)
-        self.prefix_hits(engine).inc(stats.prefix_cache_hits)
-        self.preemptions(engine).inc(stats.num_preemptions)
-        self.kv_transfer_tokens(engine).inc(stats.kv_transfer_tokens)
-        self.kv_transfer_failures(engine).inc(stats.kv_transfer_failures)
-        self.spec_drafts(engine).inc(stats.spec_decode.num_drafts)
-        self.spec_draft_tokens(engine).inc(stats.spec_decode.num_draft_tokens)
-        self.spec_accepted_tokens(engine).inc(stats.spec_decode.num_accepted_tokens)
+        spec = stats.spec_decode
+        for counter, amount in ((self.prefix_queries, stats.prefix_cache_queries),
+                                (self.prefix_hits, stats.prefix_cache_hits),
+                                (self.preemptions, stats.num_preemptions),
+                                (self.kv_transfer_tokens, stats.kv_transfer_tokens),
+                                (self.kv_transfer_failures, stats.kv_transfer_failures),
+                                (self.spec_drafts, spec.num_drafts),
+                                (self.spec_draft_tokens, spec.num_draft_tokens),
+                                (self.spec_accepted_tokens, spec.num_accepted_tokens)):
+            child = counter(engine)  # made at the first step: /metrics lists it from then on, at 0
+            if amount:
+                child.inc(amount)
 
     def observe_finished(self, output: RequestOutput, params: SamplingParams, latency: float, engine: int) -> None:
         for sequence in output.outputs:
