@@ -1,6 +1,8 @@
 """Prometheus metrics of one API server, named like vLLM's with the prefix `fleet:`."""
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fleet.core.messages import SchedulerStats
@@ -15,20 +17,6 @@ TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 N_BUCKETS = (1, 2, 5, 10, 20)
 
 
-def _children_by_engine(metric, model_name: str):
-    """engine -> the metric's child for it, looked up once: prometheus_client's
-    labels() takes a lock and builds the key on every call, and the stats of
-    every step (every streamed token) set eleven of them."""
-    children = {}
-
-    def child(engine):
-        found = children.get(engine)
-        if found is None:
-            found = children[engine] = metric.labels(model_name=model_name, engine=str(engine))
-        return found
-    return child
-
-
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -36,7 +24,9 @@ class Metrics:
         r = self.registry
 
         def per_engine(metric):
-            return _children_by_engine(metric, model_name)
+            # engine -> its child, looked up once: labels() takes a lock and builds the key on every
+            # call, and every step's stats (every streamed token's) set eleven of them.
+            return functools.cache(lambda engine: metric.labels(model_name=model_name, engine=str(engine)))
 
         self.num_running = per_engine(Gauge("fleet:num_requests_running", "Requests in the running batch.", ["model_name", "engine"], registry=r))
         self.num_waiting = per_engine(Gauge("fleet:num_requests_waiting", "Requests waiting to run.", ["model_name", "engine"], registry=r))
