@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 # release that breaks fleet breaks CI before it breaks a user's fresh install.
 UPGRADE = --upgrade --upgrade-strategy eager
 
-.PHONY: install install-test serve test test-lower-cpu-classes
+.PHONY: install install-test serve test test-lower-cpu-classes test-beside-a-busy-loop
 
 install: EXTRAS =
 # triton: the suite runs its kernels in Triton's interpreter.
@@ -22,7 +22,7 @@ serve: install
 
 # -P: the checkout root stays off sys.path (its folder names shadow installed packages).
 test: install-test
-	$(PYTHON) -P -m pytest -q tests
+	$(PYTHON) -P -m pytest -q --durations=15 tests
 	$(MAKE) --no-print-directory test-lower-cpu-classes
 
 # The kernel, model and engine-oracle tests again as each CPU class below this
@@ -40,3 +40,8 @@ test-lower-cpu-classes:
 	  echo "== the kernel, model and engine tests as a CPU of class $$isa runs them (FLEET_CPU_ISA=$$isa)"; \
 	  FLEET_CPU_ISA=$$isa $(PYTHON) -P -m pytest -q $(LOWER_CLASS_TESTS) || exit 1; \
 	done
+
+# The suite as it must also pass: beside a busy loop pinned to the first core
+# (waits are for states, with deadlines, never fixed sleeps).
+test-beside-a-busy-loop:
+	@taskset -c 0 $(PYTHON) -c 'while True: pass' & hog=$$!; trap "kill $$hog" EXIT; $(MAKE) --no-print-directory test

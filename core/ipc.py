@@ -1,6 +1,6 @@
 """Sockets and addresses: how fleet processes reach each other over ZMQ
 (ipc:// paths on one node, tcp:// between nodes). Starting, watching and
-stopping the processes themselves is core/processes.py."""
+stopping the processes themselves is core/launch/processes.py."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psutil
-
 import zmq
 
 from fleet.config import env
@@ -89,4 +88,15 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
         sock.bind(bind)
     if connect:
         sock.connect(connect)
+    return sock
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound once by the launcher and shared by every API server."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
     return sock

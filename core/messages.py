@@ -174,7 +174,7 @@ class EngineDead(Struct, tag=True):
 
 
 class EngineAlive(Struct, tag=True):
-    """An engine's heartbeat to every client (core.engine_core.ENGINE_BEAT_S): a
+    """An engine's heartbeat to every client (core.launch.engine_process.ENGINE_BEAT_S): a
     client learns that an engine on another node is gone from its silence."""
 
     engine_index: int

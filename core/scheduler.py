@@ -52,6 +52,7 @@ from fleet.config.cache import CacheConfig
 from fleet.config.kv_transfer import KVTransferConfig
 from fleet.config.scheduler import SchedulerConfig
 from fleet.config.speculative import SpeculativeConfig
+from fleet.core.kv_blocks import holds_a_full_sequence
 from fleet.core.kv_cache_manager import KVCacheManager
 from fleet.core.kv_connector import KVConnector, remote_prefill
 from fleet.core.messages import (
@@ -84,7 +85,7 @@ def _check_configs(
     unresolved = [name for name, value in fields.items() if value is None]
     if unresolved:
         raise ValueError(f"unresolved config fields {unresolved}: build configs with EngineArgs.create_config()")
-    if num_blocks * cache_config.block_size < max_model_len:
+    if not holds_a_full_sequence(num_blocks, max_model_len, cache_config.block_size):
         # A request growing to max_model_len would preempt itself and never run again.
         raise ValueError(
             f"the KV cache ({num_blocks=} x block_size={cache_config.block_size}) holds fewer tokens than "

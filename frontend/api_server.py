@@ -24,9 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import fleet
 from fleet.config.fleet import FleetConfig
-from fleet.core import processes
+from fleet.core.launch import processes
+from fleet.core.launch.launcher import APIServerStartupInfo
 from fleet.core.messages import Ready
-from fleet.core.node_plan import APIServerPlan
 from fleet.core.sampling_params import InvalidParameter
 from fleet.frontend.async_engine import AsyncEngine, ServerStopping
 from fleet.frontend.engine_client import EngineDeadError
@@ -347,18 +347,10 @@ async def _client_disconnect(request: Request) -> None:
 # ---- the API server process ------------------------------------------------------------
 
 
-class APIServerStartupInfo(msgspec.Struct):
-    config: FleetConfig
-    plan: APIServerPlan
-    listen_fd: int
-    """The HTTP socket the launcher bound, shared by every API server."""
-    handshake_address: str
-
-
 def run_api_server(name: str, info: APIServerStartupInfo) -> None:
     import uvicorn
 
-    from fleet.frontend.tokenizer import load_tokenizer
+    from fleet.workers.tokenizer import load_tokenizer
 
     config, plan = info.config, info.plan
 
@@ -419,17 +411,6 @@ def _exit_after(seconds: float) -> None:
     timer = threading.Timer(seconds, exit_now)
     timer.daemon = True
     timer.start()
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The HTTP socket, bound once by the launcher and shared by every API server."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.set_inheritable(True)
-    return sock
 
 
 def inherited_listener(fd: int) -> socket.socket:

@@ -16,14 +16,13 @@ from typing import NamedTuple
 import msgspec
 
 from fleet.config.fleet import FleetConfig
+from fleet.core.launch.node_plan import ClientAddresses
 from fleet.core.messages import EngineCoreOutputs, EngineLoads, KVTransferParams
-from fleet.core.node_plan import ClientAddresses
 from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.engine_client import EngineClient, EngineDeadError, ReplicaDown
 from fleet.frontend.load_balancer import LoadBalancer, routing_balancer
 from fleet.frontend.metrics import Metrics
 from fleet.frontend.output_processor import RequestState, RequestTracker, child_requests
-
 
 logger = logging.getLogger(__name__)
 

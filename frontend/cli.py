@@ -9,7 +9,7 @@ import sys
 
 from fleet.config.cli_args import OneLineErrorParser, add_engine_args, parse_engine_args
 from fleet.config.vllm_flags import IGNORED_DEST, IgnoredFlag, add_vllm_flags
-from fleet.workers.memory import check_fits, node_memory
+from fleet.core.launch.memory import check_fits, node_memory
 
 logger = logging.getLogger("fleet.launch")
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(command: str, parser: argparse.ArgumentParser, engine_args) -> int:
     """`command` (launch, serve, plan or prepare) with the parsed flags."""
-    from fleet.frontend.plan import build_node_plan, describe
+    from fleet.core.launch.plan import build_node_plan, describe
 
     try:
         config = engine_args.create_config()
@@ -95,7 +95,7 @@ def _run(command: str, parser: argparse.ArgumentParser, engine_args) -> int:
         from fleet.frontend.prepare import prepare
 
         return prepare(config)
-    from fleet.frontend.launcher import launch
+    from fleet.core.launch.launcher import launch
 
     return launch(config, plan)
 
@@ -105,7 +105,7 @@ def _log_ignored(command: str, ignored: tuple[IgnoredFlag, ...]) -> None:
     if not ignored:
         return
     if command in ("launch", "serve"):
-        from fleet.core.processes import log_as
+        from fleet.core.launch.processes import log_as
 
         log_as("fleet-launch")  # as the launcher logs
     else:

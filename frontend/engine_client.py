@@ -21,7 +21,10 @@ from typing import Any
 import zmq
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import ipc, processes, serial
+from fleet.core import ipc, serial
+from fleet.core.launch import processes
+from fleet.core.launch.node_plan import ClientAddresses, StartupFacts, engine_core_plans
+from fleet.core.launch.process_names import engine_core_name
 from fleet.core.messages import (
     Abort,
     EngineAlive,
@@ -35,8 +38,6 @@ from fleet.core.messages import (
     UtilityCall,
     UtilityResult,
 )
-from fleet.core.node_plan import ClientAddresses, StartupFacts, engine_core_plans
-from fleet.core.process_names import engine_core_name
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class EngineClient:
 
     def start_engines(self) -> None:
         """Spawn this node's engine cores and wait for Ready from each (one deadline)."""
-        from fleet.core.engine_launch import start_engine_cores
+        from fleet.core.launch.engine_launch import start_engine_cores
         from fleet.parallel.dims import node_engine_ranks
 
         handshake = processes.HandshakeListener(self.ctx)

@@ -13,6 +13,7 @@ from typing import Any
 from fleet.config.engine_args import EngineArgs
 from fleet.config.model import DEFAULT_MODEL
 from fleet.config.vllm_flags import check_vllm_keywords
+from fleet.core.launch.memory import check_fits, node_memory
 from fleet.core.messages import EngineCoreOutputs
 from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.engine_client import EngineClient, EngineDeadError
@@ -23,8 +24,8 @@ from fleet.frontend.output_processor import (
     RequestTracker,
     child_requests,
 )
-from fleet.frontend.tokenizer import load_tokenizer, render_chat
-from fleet.workers.memory import check_fits, node_memory
+from fleet.frontend.tokenizer import render_chat
+from fleet.workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ Prefixes. An API server knows the prompts it sent itself; with several
 engines tell: an engine that took a request adds its prompt's block hashes
 (which its prefix cache computed anyway) to its next EngineLoad, and the
 coordinator passes them on in the load table that every API server already
-receives (EngineLoads.new_prompt_blocks; core/dp_coordinator.py). That is
+receives (EngineLoads.new_prompt_blocks; core/launch/dp_coordinator.py). That is
 the simplest that works: no new socket, message kind or process plan; the
 report comes from the replica that really took the request (one retried
 after a death is reported where it ran); and it arrives with the loads the

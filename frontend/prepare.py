@@ -29,7 +29,7 @@ def _timed(what: str, step) -> None:
 
 
 def _tokenizer(config: FleetConfig) -> None:
-    from fleet.frontend.tokenizer import load_tokenizer
+    from fleet.workers.tokenizer import load_tokenizer
 
     load_tokenizer(config.model)
 

@@ -242,7 +242,7 @@ def main(argv: list[str]) -> int:
     for url in [*args.prefill, *args.decode]:
         if not url.startswith(("http://", "https://")):
             proxy_parser().error(f"--prefill/--decode take URLs such as http://host:port, got {url!r}")
-    from fleet.core.processes import log_as
+    from fleet.core.launch.processes import log_as
 
     log_as("fleet-proxy")
     serve(DisaggregationProxy(args.prefill, args.decode, args.kv_transfer_secret), args.host, args.port)
@@ -253,7 +253,7 @@ def serve(proxy: DisaggregationProxy, host: str, port: int, ready=None) -> None:
     """Serve until SIGINT/SIGTERM; `ready(url)` is called once listening."""
     import uvicorn
 
-    from fleet.frontend.api_server import listening_socket
+    from fleet.core.ipc import listening_socket
 
     listener = listening_socket(host, port)
     server = uvicorn.Server(uvicorn.Config(build_proxy_app(proxy), log_level="warning"))

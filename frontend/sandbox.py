@@ -24,8 +24,8 @@ from typing import Any, BinaryIO
 import msgspec
 
 from fleet.config.fleet import FleetConfig
-from fleet.core.process_names import sandbox_name
-from fleet.core.processes import python_command
+from fleet.core.launch.process_names import sandbox_name
+from fleet.core.launch.processes import python_command
 from fleet.core.sampling_params import InvalidParameter, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

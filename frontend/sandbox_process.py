@@ -21,11 +21,11 @@ import threading
 
 import msgspec
 
-from fleet.core.processes import die_with_parent, log_as
+from fleet.core.launch.processes import die_with_parent, log_as
 from fleet.core.sampling_params import InvalidParameter, StructuredOutputsParams
 from fleet.frontend.chat_template import render_conversation
 from fleet.frontend.sandbox import (
-    CheckGrammar,
+    SANDBOX_REQUEST,
     GrammarAccepted,
     Refused,
     RenderChat,
@@ -33,7 +33,6 @@ from fleet.frontend.sandbox import (
     SandboxStartupInfo,
     read_frame,
     write_frame,
-    SANDBOX_REQUEST,
 )
 
 GRAMMAR_STACK_BYTES = 4 * 2**20

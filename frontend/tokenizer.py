@@ -1,12 +1,8 @@
-"""Load the tokenizer of a resolved model (HF directory or GGUF file)."""
+"""Render a chat for the model's tokenizer (workers/tokenizer.py loads it)."""
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 
-from fleet.config.derived_cache import derived_path
-from fleet.config.model import ModelConfig
 from fleet.frontend.chat_template import render_conversation
 from fleet.frontend.sandbox import RenderChat
 
@@ -43,36 +39,3 @@ def render_chat(tokenizer, messages: list[dict], *, max_chars: int = 2**62, **op
                                add_generation_prompt=request.add_generation_prompt,
                                continue_final_message=request.continue_final_message,
                                variables=request.variables, max_chars=max_chars)
-
-
-def load_tokenizer(model: ModelConfig):
-    """The HF tokenizer, or None when the model directory ships none (token-id prompts only)."""
-    from transformers import AutoTokenizer
-
-    path = model.tokenizer_path
-    if path.endswith(".gguf"):
-        return _tokenizer_from_gguf(path)
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as error:
-        logger.warning("no tokenizer at %s (%s): only token-id prompts work", path, error)
-        return None
-
-
-def _tokenizer_from_gguf(path: str):
-    """Converting a GGUF vocabulary takes seconds: convert once, then load the
-    saved HF tokenizer from fleet's cache."""
-    from transformers import AutoTokenizer
-
-    cached = derived_path(path, "gguf-tokenizer")
-    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(cached)
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    staging = f"{cached}.{os.getpid()}.tmp"
-    tokenizer.save_pretrained(staging)
-    os.makedirs(os.path.dirname(cached), exist_ok=True)
-    try:
-        os.rename(staging, cached)  # atomic; another process may have won the race
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-    return tokenizer

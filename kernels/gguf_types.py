@@ -1,5 +1,5 @@
 """GGUF tensor types, and which of them fleet's kernels multiply in their
-blocks on each device. Imports no torch: the memory plan (workers/memory.py)
+blocks on each device. Imports no torch: the memory plan (core/launch/memory.py)
 reads it as kernels/quantized.py does."""
 from __future__ import annotations
 

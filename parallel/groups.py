@@ -6,7 +6,7 @@ TCPStore that their executor hosts. When replicas step together (expert
 parallel across data-parallel ranks) every worker of the job joins one
 world through the TCPStore at --master-addr/--master-port, hosted by the DP
 coordinator; a multi-node job's worlds all meet in node 0's job store. The
-node plan decides which (core/node_plan.py, world_store); all members create every group in the same order
+node plan decides which (core/launch/node_plan.py, world_store); all members create every group in the same order
 (new_group is collective) and keep the ones they belong to.
 """
 from __future__ import annotations
@@ -14,23 +14,19 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 
-import psutil
 import torch.distributed as dist
 
-from fleet.config import env
 from fleet.config.fleet import FleetConfig
-from fleet.core import ipc
-from fleet.core.node_plan import StoreLocation
 from fleet.parallel.comm import GroupCoordinator, set_dp_group, set_ep_group, set_pp_group, set_tp_group
 from fleet.parallel.dims import parallel_groups
 
 
-def init_worker_groups(config: FleetConfig, dp_rank: int, rank: int, store: StoreLocation | None) -> None:
-    """Join this worker's world, at `store` (as the node plan placed it), as
-    replica rank `rank` (pp * TP + tp) of data-parallel rank `dp_rank`, and
-    set its TP, PP, EP and DP groups. A world of one worker (no store) touches
-    nothing."""
-    if store is None:
+def init_worker_groups(config: FleetConfig, dp_rank: int, rank: int, store_host: str | None, store_port: int) -> None:
+    """Join this worker's world, at the TCPStore on `store_host`:`store_port`
+    (as the node plan placed it), as replica rank `rank` (pp * TP + tp) of
+    data-parallel rank `dp_rank`, and set its TP, PP, EP and DP groups. A world
+    of one worker (no store host) touches nothing."""
+    if store_host is None:
         return
     parallel = config.parallel
     if parallel.replicas_step_together:
@@ -39,9 +35,7 @@ def init_worker_groups(config: FleetConfig, dp_rank: int, rank: int, store: Stor
         layout, world_rank, world = dataclasses.replace(parallel, data_parallel_size=1), rank, f"replica{dp_rank}"
     world_size = layout.world_size
     timeout = timedelta(seconds=parallel.distributed_timeout_seconds)
-    if store.hosted_by == "launcher":  # a multi-node job: the store is node 0's
-        _pin_gloo_to_the_route_to(store.host)
-    client = dist.TCPStore(store.host, store.port, world_size=world_size, is_master=False, timeout=timeout)
+    client = dist.TCPStore(store_host, store_port, world_size=world_size, is_master=False, timeout=timeout)
     world_store = dist.PrefixStore(f"{world}/", client)  # a job store holds every world of the job
     dist.init_process_group(
         config.device.distributed_backend, store=world_store, rank=world_rank, world_size=world_size, timeout=timeout
@@ -51,19 +45,6 @@ def init_worker_groups(config: FleetConfig, dp_rank: int, rank: int, store: Stor
     set_pp_group(_member_group(groups.pp, world_rank))
     set_dp_group(_member_group(groups.dp, world_rank))
     set_ep_group(_member_group(groups.ep, world_rank))
-
-
-def _pin_gloo_to_the_route_to(host: str) -> None:
-    """Gloo picks its interface from the hostname, which may not be the one
-    the other nodes reach: use the interface that routes to node 0, unless
-    the user chose one (GLOO_SOCKET_IFNAME)."""
-    if env.gloo_interface():
-        return
-    address = ipc.address_towards(host)
-    for interface, addresses in psutil.net_if_addrs().items():
-        if any(a.address == address for a in addresses):
-            env.set_gloo_interface(interface)
-            return
 
 
 def _member_group(all_groups: list[list[int]], rank: int) -> GroupCoordinator:

@@ -1,7 +1,7 @@
 """fleet's side of a Ray cluster: joining it, placing bundles (one per
 device) in a placement group, and watching an actor as if it were a child
-process. What runs in the actors is the engine core's (core/ray_engine.py)
-and the workers' (workers/ray_executor.py)."""
+process. What runs in the actors is the engine core's (core/launch/ray_engine.py)
+and the workers' (core/launch/ray_executor.py)."""
 from __future__ import annotations
 
 import logging

@@ -37,8 +37,9 @@ import torch
 from fleet.config import EngineArgs
 from fleet.config.model import DEFAULT_MODEL
 from fleet.core.engine_core import EngineCore
+from fleet.core.launch.engine_process import build_engine_core
+from fleet.core.launch.node_plan import engine_core_plans
 from fleet.core.messages import EngineCoreRequest
-from fleet.core.node_plan import engine_core_plans
 from fleet.core.sampling_params import SamplingParams
 from fleet.kernels.attention import AttentionMetadata
 
@@ -86,7 +87,7 @@ def engine_step_ms(engine: EngineCore, prompt: list[int], tokens: int) -> list[f
 def worker_process_ms(config, prompt: list[int], tokens: int) -> tuple[list[float], list[float]]:
     """Per decode token: one EngineCore.step with a worker process, and the step's time outside
     the executor's round trip (the engine's own work, while the worker waits)."""
-    engine = EngineCore(config, engine_core_plans(config, [0], clients=[], coordinator=None)[0])
+    engine = build_engine_core(config, engine_core_plans(config, [0], clients=[], coordinator=None)[0])
     round_trips = []
     execute = engine.executor.execute
 
@@ -163,7 +164,7 @@ def main() -> int:
     vocab = config.model.hf_config["vocab_size"]
     rng = random.Random(args.seed)
     prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
-    engine = EngineCore(config, engine_core_plans(config, [0], clients=[], coordinator=None)[0])
+    engine = build_engine_core(config, engine_core_plans(config, [0], clients=[], coordinator=None)[0])
     forward_ms(engine, prompt, 16)  # warm up
     layers = {"forward": forward_ms(engine, prompt, args.tokens),
               "engine": engine_step_ms(engine, prompt, args.tokens)}

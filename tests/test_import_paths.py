@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from fleet.core import processes
+from fleet.core.launch import processes
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = "fleet.tests.import_probe"

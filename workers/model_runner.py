@@ -8,6 +8,7 @@ import mmap
 import torch
 
 from fleet.config.fleet import FleetConfig
+from fleet.core.kv_blocks import kv_bytes_per_block
 from fleet.core.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from fleet.parallel.comm import get_pp_group
 from fleet.workers.compiled_decode import CompiledDecode
@@ -45,8 +46,8 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        per_layer = 2 * self.block_size * self.model.num_kv_heads * self.model.head_dim
-        return per_layer * self.model.num_layers * self.dtype.itemsize
+        return kv_bytes_per_block(self.block_size, self.model.num_kv_heads, self.model.head_dim,
+                                  self.model.num_layers, self.dtype.itemsize)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)

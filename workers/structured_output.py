@@ -40,7 +40,7 @@ class Grammars:
         if self._tokenizer is None:
             from llguidance.hf import from_tokenizer
 
-            from fleet.frontend.tokenizer import load_tokenizer
+            from fleet.workers.tokenizer import load_tokenizer
 
             hf_tokenizer = load_tokenizer(self.model)
             if hf_tokenizer is None:

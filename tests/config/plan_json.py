@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from fleet.core.process_names import sandbox_name
+from fleet.core.launch.process_names import sandbox_name
 
 
 def planned_processes(plan: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""The node's memory plan on the CPU (fleet.workers.memory): one budget for
+"""The node's memory plan on the CPU (fleet.core.launch.memory): one budget for
 the node, divided among its local workers, no more KV cache than the launch
 can use, and clear errors naming the flags when it cannot fit."""
 from __future__ import annotations
@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fleet.config import EngineArgs, FleetConfig
-from fleet.frontend.plan import build_node_plan, describe
-from fleet.tests.config.plan_json import of_kind
-from fleet.workers.memory import (
+from fleet.core.launch.memory import (
     COMPILED_DECODE_BYTES,
     KV_SHARE_OF_NODE,
     blocks_per_sequence,
@@ -18,6 +16,8 @@ from fleet.workers.memory import (
     usable_kv_cache_bytes,
     worker_weight_bytes,
 )
+from fleet.core.launch.plan import build_node_plan, describe
+from fleet.tests.config.plan_json import of_kind
 
 GiB = 2**30
 NODE = 24 * GiB

@@ -12,8 +12,8 @@ import pytest
 
 import fleet as fleet_package
 from fleet.config import EngineArgs
+from fleet.core.launch.plan import build_node_plan, describe
 from fleet.frontend.cli import main
-from fleet.frontend.plan import build_node_plan, describe
 from fleet.tests.config.plan_json import kinds, of_kind, planned_processes
 
 PLAN_KEYS = {"node", "parallel", "groups", "scheduler", "cache", "model"}

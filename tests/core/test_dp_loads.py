@@ -8,9 +8,9 @@ import pytest
 from fleet.config.cache import CacheConfig
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
-from fleet.core.dp_coordinator import LoadTable, relays_prompt_blocks
+from fleet.core.launch.dp_coordinator import LoadTable, relays_prompt_blocks
+from fleet.core.launch.node_plan import ClientAddresses, CoordinatorAddresses, EngineCorePlan
 from fleet.core.messages import EngineLoad, EngineLoads
-from fleet.core.node_plan import ClientAddresses, CoordinatorAddresses, EngineCorePlan
 from fleet.core.serial import Decoder, encode
 
 

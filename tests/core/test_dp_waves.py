@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.core.dp_coordinator import WaveState
+from fleet.core.launch.dp_coordinator import WaveState
 from fleet.core.messages import StepDecision, StepVote, WaveWakeUp
 
 

@@ -1,14 +1,14 @@
 """Which deaths a launch survives, and the restart budget and back-off
-(core/replica_restarts.py as pure logic: no process is started here; the
+(core/launch/replica_restarts.py as pure logic: no process is started here; the
 restarts themselves are tests/parallel/test_replica_restarts.py)."""
 from __future__ import annotations
 
 import pytest
 
 from fleet.config.engine_args import EngineArgs
-from fleet.core import replica_restarts
-from fleet.core.node_plan import engine_core_plans
-from fleet.core.replica_restarts import ReplicaRestarts, RestartRefused
+from fleet.core.launch import replica_restarts
+from fleet.core.launch.node_plan import engine_core_plans
+from fleet.core.launch.replica_restarts import ReplicaRestarts, RestartRefused
 
 
 class DeadEngine:

@@ -10,8 +10,9 @@ import pytest
 
 from fleet.config import EngineArgs
 from fleet.core.engine_core import EngineCore
+from fleet.core.launch.engine_process import build_engine_core
+from fleet.core.launch.node_plan import engine_core_plans
 from fleet.core.messages import EngineCoreOutput, EngineCoreRequest
-from fleet.core.node_plan import engine_core_plans
 from fleet.core.sampling_params import SamplingParams
 from fleet.tests.engine.oracle import greedy, hf_model
 
@@ -24,7 +25,7 @@ def engine(tiny_llama_dir):
     """The engine core with its worker in this process (the `uni` executor): the real sampler."""
     config = EngineArgs(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory_bytes="4M",
                         distributed_executor_backend="uni").create_config()
-    return EngineCore(config, engine_core_plans(config, [0], clients=[], coordinator=None)[0])
+    return build_engine_core(config, engine_core_plans(config, [0], clients=[], coordinator=None)[0])
 
 
 def run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, EngineCoreOutput]:

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 from fleet.config.model import DEFAULT_MODEL
 from fleet.config.model_files import locate_model
 from fleet.frontend.chat_template import TemplateTooLarge, render_conversation
-from fleet.frontend.tokenizer import load_tokenizer, render_chat
+from fleet.frontend.tokenizer import render_chat
+from fleet.workers.tokenizer import load_tokenizer
 
 TOOL_TEMPLATE = (
     "{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n{% endif %}"

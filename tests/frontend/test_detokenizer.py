@@ -7,7 +7,7 @@ import pytest
 from fleet import SamplingParams
 from fleet.config import EngineArgs
 from fleet.frontend.detokenizer import IncrementalDetokenizer
-from fleet.frontend.tokenizer import load_tokenizer
+from fleet.workers.tokenizer import load_tokenizer
 
 TEXT = "Café ☕ naïve 日本語 — 😀🚀 done"
 

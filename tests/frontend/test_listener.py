@@ -8,7 +8,8 @@ import asyncio
 import os
 import socket
 
-from fleet.frontend.api_server import inherited_listener, listening_socket
+from fleet.core.ipc import listening_socket
+from fleet.frontend.api_server import inherited_listener
 
 
 def nodelay_of_accepted_connection(listener: socket.socket) -> int:

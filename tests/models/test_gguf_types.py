@@ -186,14 +186,14 @@ def test_kept_types_match_transformers(types_gguf: tuple[str, str]) -> None:
 
 
 def test_the_plan_counts_the_tensors_as_the_worker_holds_them(types_gguf: tuple[str, str]) -> None:
-    """`fleet plan` (workers/memory.py, from the file's tensor index) says per
+    """`fleet plan` (core/launch/memory.py, from the file's tensor index) says per
     type how the worker will hold the tensors, as the loaded model does
     (`gguf_holding`, what its start-up line lists), and counts their bytes
     for the weights: with every type kept, within 10 % of the file's tensor
     bytes (and of the loaded parameters' either way)."""
     from fleet.config import EngineArgs
+    from fleet.core.launch.memory import gguf_holding, worker_weight_bytes
     from fleet.workers.gguf_file import read_gguf_tensors
-    from fleet.workers.memory import gguf_holding, worker_weight_bytes
 
     name, path = types_gguf
     if cpu_kernels() is None:

@@ -14,10 +14,10 @@ import psutil
 import pytest
 
 from fleet.config import EngineArgs
+from fleet.core.launch.memory import kv_bytes_per_block
 from fleet.tests.config.plan_json import of_kind, planned_processes
 from fleet.tests.frontend.server import CHECKOUT, Server
 from fleet.tests.parallel.dp_helpers import assert_greedy_over_http, launched_names
-from fleet.workers.memory import kv_bytes_per_block
 
 pytestmark = pytest.mark.slow
 

@@ -90,7 +90,7 @@ def test_ray_data_parallel_backend_places_each_engine_with_its_workers(two_node_
     flags = ("--data-parallel-backend", "ray", "--distributed-executor-backend", "ray", "--data-parallel-rpc-port")
     server = launch(two_node_cluster, tiny_llama_dir, "--dp", "2", *flags, str(free_port_pair()))
     try:
-        assert not server.children_named("fleet.core.engine_core"), "engine cores are actors, not local processes"
+        assert not server.children_named("fleet.core.launch.engine_process"), "engine cores are actors, not local processes"
         assert_greedy_over_http(server, tiny_llama_dir, count=6, seed=42)
         groups = bundle_nodes()
         assert len(groups) == 2 and len(groups[0] | groups[1]) == 2, groups

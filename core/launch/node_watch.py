@@ -1,5 +1,5 @@
 """How the launchers of a multi-node job watch each other through the job
-store (parallel/job_store.py): each node announces itself and node 0 waits
+store (core/launch/job_store.py): each node announces itself and node 0 waits
 for all of them; each beats a heartbeat from a thread of its own and node 0
 watches every beat; a node going down says so first, so that a dead node
 takes the job down everywhere; or, where replicas restart
@@ -13,8 +13,8 @@ import time
 
 import torch.distributed as dist
 
-from fleet.core.processes import NodeMissing
-from fleet.parallel.job_store import JobStore
+from fleet.core.launch.job_store import JobStore
+from fleet.core.launch.processes import NodeMissing
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,9 @@ import msgspec
 import zmq
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import ipc, processes, serial
+from fleet.core import ipc, serial
+from fleet.core.launch import processes
+from fleet.core.launch.node_plan import CoordinatorPlan, EngineCorePlan, StoreLocation
 from fleet.core.messages import (
     CoordinatorInput,
     EngineLoad,
@@ -40,7 +42,6 @@ from fleet.core.messages import (
     StepVote,
     WaveWakeUp,
 )
-from fleet.core.node_plan import CoordinatorPlan, EngineCorePlan, StoreLocation
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Building the launch plan of one node (core/node_plan.py) from a resolved
+"""Building the launch plan of one node (core/launch/node_plan.py) from a resolved
 FleetConfig: which processes it runs, with which ranks and addresses.
 `fleet plan` prints it; the launcher executes it."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ from fleet.config.cpu_class import cpu_paths
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
 from fleet.core import ipc
-from fleet.core.node_plan import (
+from fleet.core.launch.memory import gguf_holding_summary, node_memory
+from fleet.core.launch.node_plan import (
     APIServerPlan,
     ClientAddresses,
     CoordinatorAddresses,
@@ -23,7 +24,7 @@ from fleet.core.node_plan import (
     replica_workers,
     world_store,
 )
-from fleet.core.process_names import DP_COORDINATOR, api_server_name
+from fleet.core.launch.process_names import DP_COORDINATOR, api_server_name
 from fleet.parallel.dims import (
     node_engine_ranks,
     parallel_groups,
@@ -31,7 +32,6 @@ from fleet.parallel.dims import (
     runs_api_servers,
     runs_dp_coordinator,
 )
-from fleet.workers.memory import gguf_holding_summary, node_memory
 
 
 def is_single_launch(parallel: ParallelConfig) -> bool:

@@ -18,7 +18,11 @@ import zmq
 
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
-from fleet.core import ipc, process_names, processes, serial
+from fleet.core import ipc, serial
+from fleet.core.executor import Executor
+from fleet.core.launch import process_names, processes
+from fleet.core.launch.node_plan import EngineCorePlan, StartupFacts, StoreLocation, WorkerPlan
+from fleet.core.launch.worker_process import WorkerStartupInfo, build_worker
 from fleet.core.messages import (
     KVCapacity,
     ModelRunnerOutput,
@@ -29,7 +33,6 @@ from fleet.core.messages import (
     WorkerUtilityCall,
     WorkerUtilityResult,
 )
-from fleet.core.node_plan import EngineCorePlan, StartupFacts, StoreLocation, WorkerPlan
 from fleet.parallel.dims import coord_of, replica_spans_nodes
 
 logger = logging.getLogger(__name__)
@@ -42,48 +45,14 @@ class WorkerDied(RuntimeError):
     pass
 
 
-class Executor:
-    kv_export_addresses: list[str] = []
-    """Producer of KV (--kv-transfer-config): where each worker serves its share, by rank in the replica."""
-
-    def start(self) -> KVCapacity:
-        """Start the workers, size and allocate the KV cache; return its capacity."""
-        raise NotImplementedError
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        raise NotImplementedError
-
-    def shutdown(self) -> None:
-        raise NotImplementedError
-
-    def check_alive(self) -> None:
-        """Raise WorkerDied naming any worker that died (in-process workers cannot)."""
-
-
-class WorkerStartupInfo(msgspec.Struct):
-    """What a worker process (or Ray worker actor) receives on start-up."""
-
-    config: FleetConfig
-    plan: WorkerPlan
-    handshake_address: str
-    step_address: str
-    """The engine's broadcast (XPUB) socket."""
-    result_address: str
-    """The engine's PULL socket; only the driver sends on it."""
-    store: StoreLocation | None
-    """Where the workers of its world meet, its port known; None: a world of one."""
-
-
 class UniExecutor(Executor):
     def __init__(self, config: FleetConfig, plan: EngineCorePlan):
         self.config = config
         self.plan = plan
 
     def start(self) -> KVCapacity:
-        from fleet.workers.worker import Worker
-
         (worker,) = self.plan.workers  # config validation allows `uni` for one worker only
-        self.worker = Worker(self.config, worker)
+        self.worker = build_worker(self.config, worker, store=None)
         num_blocks = self.worker.available_kv_blocks()
         self.worker.init_kv_cache(num_blocks)
         transfer = self.worker.runner.kv_transfer
@@ -170,7 +139,7 @@ class MultiprocExecutor(Executor):
 
     def _publish(self, addresses: ReplicaAddresses) -> None:
         """For the launchers of the other nodes, which start this replica's workers there."""
-        from fleet.parallel.job_store import JobStore  # torch: only for replicas that span nodes
+        from fleet.core.launch.job_store import JobStore  # torch: only for replicas that span nodes
 
         JobStore.client(self.config.parallel).publish(f"replica/{self.dp_rank}/executor", addresses)
 
@@ -264,7 +233,7 @@ class MultiprocExecutor(Executor):
 def spawn_workers(config: FleetConfig, workers: list[WorkerPlan],
                   addresses: ReplicaAddresses) -> list[processes.ChildProcess]:
     """Start the planned workers of one replica; they report Ready to its executor."""
-    return [processes.spawn("fleet.workers.worker", worker.name, worker_startup_info(config, worker, addresses))
+    return [processes.spawn("fleet.core.launch.worker_process", worker.name, worker_startup_info(config, worker, addresses))
             for worker in workers]
 
 
@@ -286,7 +255,7 @@ def make_executor(config: FleetConfig, plan: EngineCorePlan, facts: StartupFacts
     if plan.executor == "uni":
         return UniExecutor(config, plan)
     if plan.executor == "ray":
-        from fleet.workers.ray_executor import RayExecutor  # ray is an optional dependency
+        from fleet.core.launch.ray_executor import RayExecutor  # ray is an optional dependency
 
         return RayExecutor(config, plan, facts)
     return MultiprocExecutor(config, plan, facts)

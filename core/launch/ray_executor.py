@@ -13,10 +13,10 @@ from __future__ import annotations
 import msgspec
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import processes
-from fleet.core.node_plan import EngineCorePlan, StartupFacts
+from fleet.core.launch import processes
+from fleet.core.launch.executor import MultiprocExecutor, ReplicaAddresses, worker_startup_info
+from fleet.core.launch.node_plan import EngineCorePlan, StartupFacts
 from fleet.parallel.ray_cluster import RayActorHandle, connect_ray, place_bundles
-from fleet.workers.executor import MultiprocExecutor, ReplicaAddresses, worker_startup_info
 
 
 class RayExecutor(MultiprocExecutor):
@@ -66,8 +66,7 @@ class WorkerActor:
     """The body of a worker actor: the actor process is the worker process."""
 
     def run(self, name: str, info: bytes) -> None:
-        from fleet.workers.executor import WorkerStartupInfo
-        from fleet.workers.worker import serve_worker
+        from fleet.core.launch.worker_process import WorkerStartupInfo, serve_worker
 
         processes.log_as(name)
         serve_worker(name, msgspec.msgpack.decode(info, type=WorkerStartupInfo))

@@ -3,7 +3,7 @@ launcher hosts at --master-addr:--master-port.
 
 Processes publish there what others must find (the addresses of an executor
 whose replica spans nodes); the launchers meet and watch each other there
-(frontend/node_watch.py). Workers' torch.distributed worlds live in it too,
+(core/launch/node_watch.py). Workers' torch.distributed worlds live in it too,
 each under its own prefix.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import msgspec
 import torch.distributed as dist
 
 from fleet.config.parallel import ParallelConfig
-from fleet.core.processes import NodeMissing
+from fleet.core.launch.processes import NodeMissing
 
 
 def connect_store(parallel: ParallelConfig, is_master: bool = False) -> dist.TCPStore:

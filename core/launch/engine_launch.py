@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import processes
-from fleet.core.engine_core import EngineCoreStartupInfo
-from fleet.core.node_plan import EngineCorePlan, StartupFacts, WorkerPlan
+from fleet.core.launch import processes
+from fleet.core.launch.engine_process import EngineCoreStartupInfo
+from fleet.core.launch.node_plan import EngineCorePlan, StartupFacts, WorkerPlan
 
 if TYPE_CHECKING:
-    from fleet.parallel.job_store import JobStore  # imports torch: multi-node launches only
+    from fleet.core.launch.job_store import JobStore  # imports torch: multi-node launches only
 
 
 def start_engine_cores(
@@ -35,7 +35,7 @@ def start_workers_of_remote_engines(
     """Workers on this node of replicas whose engine core runs on another
     node: they report to that engine once it published its addresses in the
     job store (the engine's executor starts the others itself)."""
-    from fleet.workers.executor import ReplicaAddresses, spawn_workers  # torch-free, but only multi-node needs it
+    from fleet.core.launch.executor import ReplicaAddresses, spawn_workers  # torch-free, but only multi-node needs it
 
     started = []
     for dp_rank in sorted({worker.dp_rank for worker in workers}):
@@ -47,7 +47,7 @@ def start_workers_of_remote_engines(
 
 def _start(config: FleetConfig, name: str, info: EngineCoreStartupInfo) -> processes.ChildProcess:
     if config.parallel.data_parallel_backend != "ray":
-        return processes.spawn("fleet.core.engine_core", name, info)
-    from fleet.core.ray_engine import start_engine_actor  # ray is an optional dependency
+        return processes.spawn("fleet.core.launch.engine_process", name, info)
+    from fleet.core.launch.ray_engine import start_engine_actor  # ray is an optional dependency
 
     return start_engine_actor(config, name, msgspec.msgpack.encode(info))

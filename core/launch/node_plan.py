@@ -2,7 +2,7 @@
 who starts it, its name, ranks, device, addresses and memory budget, and
 where each torch.distributed world meets.
 
-It is built once from the resolved config (frontend/plan.py for `fleet
+It is built once from the resolved config (core/launch/plan.py for `fleet
 launch` and `fleet plan`; `engine_core_plans` also for fleet.LLM), printed
 by `fleet plan` and executed by the launcher; each child receives its own
 part in its startup info and decides nothing about the layout itself.
@@ -17,9 +17,9 @@ import msgspec
 
 from fleet.config.fleet import FleetConfig
 from fleet.core import ipc
-from fleet.core.process_names import engine_core_name, worker_name
+from fleet.core.launch.memory import planned_kv_cache_bytes
+from fleet.core.launch.process_names import engine_core_name, worker_name
 from fleet.parallel.dims import coord_of, node_worker_ranks
-from fleet.workers.memory import planned_kv_cache_bytes
 
 
 class ClientAddresses(msgspec.Struct):

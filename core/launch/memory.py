@@ -28,6 +28,7 @@ import psutil
 
 from fleet.config.fleet import FleetConfig
 from fleet.config.parallel import ParallelConfig
+from fleet.core import kv_blocks
 from fleet.kernels.gguf_types import DEQUANTIZE_SCRATCH_BYTES, TypeHolding, planned_holding
 from fleet.parallel.dims import node_engine_ranks, node_worker_ranks, runs_api_servers, runs_dp_coordinator
 from fleet.workers.gguf_file import read_gguf_tensors
@@ -168,10 +169,10 @@ def num_sandbox_processes(config: FleetConfig) -> int:
 
 
 def _check_one_sequence_fits(config: FleetConfig, plan: NodeMemory) -> None:
-    needed = kv_bytes_per_block(config) * blocks_per_sequence(config)
-    if plan.worker.kv_cache >= needed:
+    length, block_size = config.model.max_model_len, config.cache.block_size
+    if kv_blocks.holds_a_full_sequence(plan.worker.kv_cache // kv_bytes_per_block(config), length, block_size):
         return
-    length = config.model.max_model_len
+    needed = kv_bytes_per_block(config) * blocks_per_sequence(config)
     if plan.kv_cache_source == "--kv-cache-memory-bytes":
         raise ValueError(
             f"--kv-cache-memory-bytes {human_bytes(plan.worker.kv_cache)} holds less than one sequence of "
@@ -244,13 +245,12 @@ def kv_heads_per_rank(config: FleetConfig) -> int:
 
 def kv_bytes_per_block(config: FleetConfig) -> int:
     """Bytes of one KV block on the worker with the most layers (keys and values)."""
-    shape = _shape(config)
-    per_layer = 2 * config.cache.block_size * kv_heads_per_rank(config) * shape.head_dim
-    return per_layer * _layers_per_stage(config) * DTYPE_BYTES[config.model.dtype]
+    return kv_blocks.kv_bytes_per_block(config.cache.block_size, kv_heads_per_rank(config), _shape(config).head_dim,
+                                        _layers_per_stage(config), DTYPE_BYTES[config.model.dtype])
 
 
 def blocks_per_sequence(config: FleetConfig) -> int:
-    return -(-config.model.max_model_len // config.cache.block_size)
+    return kv_blocks.blocks_per_sequence(config.model.max_model_len, config.cache.block_size)
 
 
 def usable_kv_cache_bytes(config: FleetConfig) -> int:

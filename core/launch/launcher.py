@@ -1,7 +1,7 @@
 """`fleet launch`: start this node's processes, run the start-up handshake
 under one deadline, then supervise. A dead data-parallel replica is started
 again while the others serve, as --replica-restart-policy and
---max-replica-restarts allow (core/replica_restarts.py); any other death, or
+--max-replica-restarts allow (core/launch/replica_restarts.py); any other death, or
 (multi-node) the loss of another node, tears the node down and exits
 non-zero; SIGINT/SIGTERM shut down within --shutdown-timeout."""
 from __future__ import annotations
@@ -16,22 +16,31 @@ import zmq
 
 from fleet.config import env
 from fleet.config.fleet import FleetConfig
-from fleet.core import processes
-from fleet.core.dp_coordinator import CoordinatorStartupInfo
-from fleet.core.engine_launch import start_engine_cores, start_workers_of_remote_engines
-from fleet.core.node_plan import CoordinatorPlan, NodePlan, StartupFacts
-from fleet.core.process_names import API_SERVER_PREFIX
-from fleet.core.replica_restarts import ReplicaRestarts, RestartRefused
-from fleet.frontend.api_server import APIServerStartupInfo, listening_socket
+from fleet.core import ipc
+from fleet.core.launch import processes
+from fleet.core.launch.dp_coordinator import CoordinatorStartupInfo
+from fleet.core.launch.engine_launch import start_engine_cores, start_workers_of_remote_engines
+from fleet.core.launch.node_plan import APIServerPlan, CoordinatorPlan, NodePlan, StartupFacts
+from fleet.core.launch.process_names import API_SERVER_PREFIX
+from fleet.core.launch.replica_restarts import ReplicaRestarts, RestartRefused
 
 if TYPE_CHECKING:
-    from fleet.frontend.node_watch import Heartbeat
-    from fleet.parallel.job_store import JobStore
+    from fleet.core.launch.job_store import JobStore
+    from fleet.core.launch.node_watch import Heartbeat
 
 
 logger = logging.getLogger("fleet.launch")
 
 SUPERVISE_INTERVAL_S = 0.2
+
+
+
+class APIServerStartupInfo(msgspec.Struct):
+    config: FleetConfig
+    plan: APIServerPlan
+    listen_fd: int
+    """The HTTP socket the launcher bound, shared by every API server."""
+    handshake_address: str
 
 
 class Launcher:
@@ -91,8 +100,8 @@ class Launcher:
             ctx.destroy(linger=0)
 
     def _join_job(self) -> JobStore:
-        from fleet.frontend import node_watch  # imports torch: multi-node launches only
-        from fleet.parallel.job_store import JobStore
+        from fleet.core.launch import node_watch  # imports torch: multi-node launches only
+        from fleet.core.launch.job_store import JobStore
 
         parallel = self.config.parallel
         role = "serves HTTP" if not parallel.headless else "headless"
@@ -106,7 +115,7 @@ class Launcher:
     def _tell_other_nodes(self, failure: str) -> None:
         """Multi-node launches: node 0 need not wait for this node's silence."""
         if self.job is not None:
-            from fleet.frontend import node_watch
+            from fleet.core.launch import node_watch
 
             node_watch.report_failure(self.job, failure)
 
@@ -133,7 +142,7 @@ class Launcher:
     def _start_coordinator(self, plan: CoordinatorPlan, handshake: processes.HandshakeListener) -> None:
         """Start the DP coordinator first: lock-step workers need the port of
         the store it hosts, which it may bind only now."""
-        child = processes.spawn("fleet.core.dp_coordinator", plan.name,
+        child = processes.spawn("fleet.core.launch.dp_coordinator", plan.name,
                                 CoordinatorStartupInfo(self.config, handshake.address, plan))
         self.children.append(child)
         ready = handshake.wait_all([child], self.config.parallel.distributed_timeout_seconds)[child.name]
@@ -141,7 +150,7 @@ class Launcher:
 
     def _start_api_servers_and_engines(self, handshake: processes.HandshakeListener) -> None:
         config, frontend = self.config, self.config.frontend
-        http = listening_socket(frontend.host, frontend.port) if self.plan.api_servers else None
+        http = ipc.listening_socket(frontend.host, frontend.port) if self.plan.api_servers else None
         if http is not None:  # --port 0 binds any free port: say which
             self.url = f"http://{frontend.host}:{http.getsockname()[1]}"
         started: list[processes.ChildProcess] = []

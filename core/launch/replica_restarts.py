@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import zmq
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import processes
-from fleet.core.engine_launch import start_engine_cores
+from fleet.core.launch import processes
+from fleet.core.launch.engine_launch import start_engine_cores
+from fleet.core.launch.node_plan import EngineCorePlan, StartupFacts
 from fleet.core.messages import StartupFailed
-from fleet.core.node_plan import EngineCorePlan, StartupFacts
 
 logger = logging.getLogger("fleet.launch")
 

@@ -1,13 +1,13 @@
 """`--data-parallel-backend ray`: an engine core runs as a Ray actor in a
 placement group of its replica's bundles, on whichever node has room; its
-workers (workers/ray_executor.py) go in the same group. The actor's process
+workers (core/launch/ray_executor.py) go in the same group. The actor's process
 is the engine-core process."""
 from __future__ import annotations
 
 import msgspec
 
 from fleet.config.fleet import FleetConfig
-from fleet.core import processes
+from fleet.core.launch import processes
 from fleet.parallel.ray_cluster import RayActorHandle, place_bundles
 
 
@@ -29,7 +29,7 @@ class EngineActor:
     """The body of an engine-core actor: the actor process is the engine-core process."""
 
     def run(self, name: str, info: bytes) -> None:
-        from fleet.core.engine_core import EngineCoreProcess, EngineCoreStartupInfo
+        from fleet.core.launch.engine_process import EngineCoreProcess, EngineCoreStartupInfo
 
         processes.log_as(name)
         EngineCoreProcess(name, msgspec.msgpack.decode(info, type=EngineCoreStartupInfo)).run()
