@@ -31,6 +31,7 @@ from fleet.core.messages import (
     EngineDead,
     EngineInput,
     EngineLoad,
+    FinishReason,
     KVCapacity,
     KVRelease,
     ModelRunnerOutput,
@@ -104,7 +105,7 @@ class EngineCore:
             added = self.scheduler.add_request(request)
         except ValueError as error:
             logger.warning("rejected request %s: %s", request.request_id, error)
-            rejection = EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=str(error))
+            rejection = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, error=str(error))
             self.rejected.append((request.client_index, rejection))
             return
         self.client_of_request[request.request_id] = request.client_index

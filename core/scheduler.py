@@ -435,7 +435,7 @@ class Scheduler:
             failure = runner_output.failed.get(request_id)
             embedding = runner_output.embeddings.get(request_id)
             if failure is not None:
-                request.finish(RequestStatus.FINISHED_ERROR, reason=failure)
+                request.finish(RequestStatus.FINISHED_ERROR, error=failure)
                 output = self._output(request, [])
             elif embedding is not None:
                 request.finish(RequestStatus.FINISHED_STOPPED)
@@ -500,6 +500,7 @@ class Scheduler:
             prompt_logprobs=request.take_prompt_logprobs(),
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
+            error=request.error,
             num_cached_tokens=request.num_cached_tokens,
         )
         first_token = new_token_ids and request.num_output_tokens == len(new_token_ids)

@@ -505,7 +505,7 @@ def _finish_reason(sequence: CompletionOutput, calls: list) -> str | None:
 def _raise_if_failed(output: RequestOutput) -> None:
     for sequence in output.outputs:
         if sequence.finish_reason == "error":
-            raise RequestFailed(str(sequence.stop_reason))
+            raise RequestFailed(str(sequence.error))
 
 
 def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
