@@ -17,6 +17,7 @@ from fleet.core.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineLoad,
+    FinishReason,
     KVCapacity,
     ModelRunnerOutput,
     SpecDecodeCounts,
@@ -71,7 +72,7 @@ class EngineCore:
             added = self.scheduler.add_request(request)
         except ValueError as error:
             logger.warning("rejected request %s: %s", request.request_id, error)
-            rejection = EngineCoreOutput(request.request_id, [], finish_reason="error", stop_reason=str(error))
+            rejection = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, error=str(error))
             self.rejected.append((request.client_index, rejection))
             return
         self.client_of_request[request.request_id] = request.client_index

@@ -11,6 +11,7 @@ Sockets and what travels on them:
 """
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import msgspec
@@ -97,16 +98,33 @@ class TokenLogprobs(Struct):
     """Rank of each token in the full distribution (1 = most likely)."""
 
 
+class FinishReason(enum.StrEnum):
+    """Why the engine ended a request, by OpenAI's finish_reason names. The
+    scheduler decides it (core/request.py's statuses); the front end adds
+    only "stop" for a stop string, which it finds and then aborts."""
+
+    STOP = "stop"
+    """The last new token ended it: an eos, or one of stop_token_ids (EngineCoreOutput.stop_reason
+    says which); or, without tokens, an embedding request's prompt was computed."""
+    LENGTH = "length"
+    """max_tokens outputs, or the context length, reached."""
+    ABORT = "abort"
+    ERROR = "error"
+    """EngineCoreOutput.error says why."""
+
+
 class EngineCoreOutput(Struct):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     """For prompt positions 1.. (position 0 has none), sent once the prompt is done."""
-    finish_reason: str | None = None
-    """None while running; then "stop", "length", "abort" or "error"."""
-    stop_reason: int | str | None = None
-    """The stop token id (or stop string, set by the front end) that ended the request."""
+    finish_reason: FinishReason | None = None
+    """None while running."""
+    stop_reason: int | None = None
+    """The stop token id that ended the request (vLLM's stop_reason); None for eos and every other finish."""
+    error: str | None = None
+    """Why an error ended the request."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache."""
     queue_time: float | None = None

@@ -14,7 +14,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from fleet.core.messages import EngineCoreRequest, KVTransferParams, TokenLogprobs
+from fleet.core.messages import EngineCoreRequest, FinishReason, KVTransferParams, TokenLogprobs
 from fleet.core.sampling_params import SamplingParams
 
 BlockHash = bytes
@@ -48,13 +48,13 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
 
-FINISH_REASONS: dict[RequestStatus, str] = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
-"""Status -> OpenAI finish_reason."""
+"""Finished status -> the reason its output carries."""
 
 
 class Request:
@@ -104,8 +104,10 @@ class Request:
         self.max_tokens: int = max_tokens if max_tokens is not None else max_model_len
 
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None
-        """The stop token id that ended the request (None for eos and length)."""
+        self.stop_reason: int | None = None
+        """The stop token id that ended the request (None for eos and every other finish)."""
+        self.error: str | None = None
+        """Why an error ended the request."""
         self.num_computed_tokens: int = 0
         """Tokens whose KV is in the cache (computed or found in the prefix cache)."""
         self.num_cached_tokens: int = 0
@@ -155,7 +157,7 @@ class Request:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:
@@ -268,13 +270,12 @@ class Request:
             # The recompute produces the prompt positions again from the start.
             self._prompt_logprobs.clear()
 
-    def finish(self, status: RequestStatus, reason: str | None = None) -> None:
-        """End the request from outside the stop check (abort, error); `reason`
-        says why an error ended it (sent as the output's stop_reason)."""
+    def finish(self, status: RequestStatus, error: str | None = None) -> None:
+        """End the request from outside the stop check (abort, error, an embedding
+        computed); `error` says why an error ended it (sent as the output's error)."""
         assert status.is_finished, status
         self.status = status
-        if reason is not None:
-            self.stop_reason = reason
+        self.error = error
 
     # ---- prompt logprobs ---------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 The same class travels on the wire (a msgspec Struct), is built by the API
 server from a request body, and is what `fleet.SamplingParams` is for
-offline use. `validate()` runs before a request reaches the engine.
+offline use. `validate()` runs before a request reaches the engine (core/validation.py).
 """
 from __future__ import annotations
 

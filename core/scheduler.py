@@ -68,6 +68,7 @@ from fleet.core.ngram_proposer import NgramProposer
 from fleet.core.request import Request, RequestStatus
 from fleet.core.request_queue import FCFSQueue, PriorityQueue, priority_key
 from fleet.core.step_builder import SchedulerOutputBuilder, StepBudget
+from fleet.core.validation import RequestLimits, check_prompt
 
 MAX_FAIR_SHARE_PREEMPTIONS_PER_STEP = 4
 """Sequences one step may preempt to let an under-served group in (module docstring)."""
@@ -121,6 +122,8 @@ class Scheduler:
         self.enable_chunked_prefill: bool = scheduler_config.enable_chunked_prefill
         self.policy = scheduler_config.scheduling_policy
         self.max_model_len = max_model_len
+        self.limits = RequestLimits(max_model_len, None if self.enable_chunked_prefill else self.max_num_batched_tokens)
+        """What a request's prompt must fit (core/validation.py: the front ends checked it first)."""
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching,
@@ -155,15 +158,9 @@ class Scheduler:
     def add_request(self, core_request: EngineCoreRequest) -> Request:
         """Queue a request. Raises ValueError for one that could never run."""
         request_id = core_request.request_id
-        num_prompt_tokens = len(core_request.prompt_token_ids)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not 0 < num_prompt_tokens <= self.max_model_len:
-            raise ValueError(f"{request_id}: {num_prompt_tokens=} must be in [1, {self.max_model_len=}]")
-        if not self.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
-            raise ValueError(
-                f"{request_id}: {num_prompt_tokens=} exceeds {self.max_num_batched_tokens=} with chunked prefill off"
-            )
+        check_prompt(self.limits, core_request.prompt_token_ids)
         block_size = self.block_size if self.kv_cache_manager.enable_caching else None
         core_request = self.kv_connector.admit(core_request)
         request = Request(
@@ -436,7 +433,7 @@ class Scheduler:
             failure = runner_output.failed.get(request_id)
             embedding = runner_output.embeddings.get(request_id)
             if failure is not None:
-                request.finish(RequestStatus.FINISHED_ERROR, reason=failure)
+                request.finish(RequestStatus.FINISHED_ERROR, error=failure)
                 output = self._output(request, [])
             elif embedding is not None:
                 request.finish(RequestStatus.FINISHED_STOPPED)
@@ -501,6 +498,7 @@ class Scheduler:
             prompt_logprobs=request.take_prompt_logprobs(),
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
+            error=request.error,
             num_cached_tokens=request.num_cached_tokens,
         )
         first_token = new_token_ids and request.num_output_tokens == len(new_token_ids)

@@ -227,7 +227,7 @@ def build_app(engine: AsyncEngine, config: FleetConfig, sandbox: Sandbox, respon
             raise InvalidParameter("input", "the input is empty")
         serving.check_input_count(len(inputs), "input")
         try:
-            prompts = await off_loop(lambda: [serving.tokenize_prompt(prompt) for prompt in inputs])
+            prompts = await off_loop(lambda: [serving.embedding_prompt(prompt) for prompt in inputs])
         except InvalidParameter as error:
             raise InvalidParameter("input", str(error)) from None
         return await _unless_disconnected(serving.embeddings(body, prompts), request)

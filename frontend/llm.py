@@ -16,6 +16,7 @@ from fleet.config.vllm_flags import check_vllm_keywords
 from fleet.core.launch.memory import check_fits, node_memory
 from fleet.core.messages import EngineCoreOutputs
 from fleet.core.sampling_params import SamplingParams
+from fleet.core.validation import RequestLimits, validate_request
 from fleet.frontend.engine_client import EngineClient, EngineDeadError
 from fleet.frontend.output_processor import (
     EMBEDDING_PARAMS,
@@ -75,6 +76,7 @@ class LLM:
         if self.config.device.device == "cpu":
             check_fits(node_memory(self.config))  # refuse now what the OOM killer would end later
         self.tokenizer = load_tokenizer(self.config.model)
+        self.limits = RequestLimits.of(self.config)
         self._requests: RequestTracker[RequestState] = RequestTracker()
         self._ids = itertools.count()
         # The client's thread must not keep this object alive: it calls back
@@ -170,10 +172,11 @@ class LLM:
     # ---- internals -------------------------------------------------------------------------
 
     def _submit(self, prompt: PromptType, params: SamplingParams, pooling: str | None = None) -> RequestState:
-        params.validate(self.config.model.max_logprobs, self.config.model.hf_config.get("vocab_size"))
+        """Raises InvalidParameter (a ValueError) as the API server answers 400."""
+        text, token_ids = self._tokenize(prompt)
+        validate_request(self.limits, token_ids, params)
         if params.structured_outputs is not None:
             params.structured_outputs.validate()  # here: offline, the grammar is the caller's own
-        text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
         state = RequestState(request_id, text, token_ids, params, self.tokenizer)
         children = child_requests(request_id, token_ids, params, time.time(), client_index=0, pooling=pooling)

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-from fleet.core.messages import EngineCoreOutput, EngineCoreRequest, KVTransferParams, TokenLogprobs
+from fleet.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, KVTransferParams, TokenLogprobs
 from fleet.core.sampling_params import SamplingParams
 from fleet.frontend.detokenizer import IncrementalDetokenizer
 
@@ -36,7 +36,11 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: SequenceLogprobs | None = None
     finish_reason: str | None = None
+    """OpenAI's: "stop", "length", "abort" or "error" (the engine's FinishReason, or "stop" for a stop string)."""
     stop_reason: int | str | None = None
+    """The stop token id or stop string that ended it; None for eos and every other finish."""
+    error: str | None = None
+    """Why an error ended it."""
     cumulative_logprob: float | None = None
     """The sum of the sampled tokens' logprobs; None unless the request asked for logprobs."""
 
@@ -143,8 +147,8 @@ class RequestState:
         detokenizer = self.detokenizers[index]
         new_token_ids = engine_output.new_token_ids
         shown = new_token_ids
-        if _stopped_by_token(engine_output) and not self.params.include_stop_str_in_output:
-            shown = shown[:-1]  # the eos or stop token ends the text; it is not part of it
+        if engine_output.finish_reason == FinishReason.STOP and not self.params.include_stop_str_in_output:
+            shown = shown[:-1]  # the eos or stop token that ended it (FinishReason.STOP) is not part of the text
         num_decoded = len(detokenizer.token_ids)
         stop_string = detokenizer.append(shown)
         if stop_string is not None:  # tokens after the one completing it (one step's drafts) are not output
@@ -170,9 +174,10 @@ class RequestState:
             self.output.kv_transfer_params = msgspec.to_builtins(engine_output.kv_transfer)
         ended_by_stop_string = stop_string is not None and sequence.finish_reason is None
         if ended_by_stop_string:
-            sequence.finish_reason, sequence.stop_reason = "stop", stop_string
+            sequence.finish_reason, sequence.stop_reason = FinishReason.STOP.value, stop_string
         elif engine_output.finish_reason is not None and sequence.finish_reason is None:
-            sequence.finish_reason, sequence.stop_reason = engine_output.finish_reason, engine_output.stop_reason
+            sequence.finish_reason = engine_output.finish_reason.value
+            sequence.stop_reason, sequence.error = engine_output.stop_reason, engine_output.error
         if self.output.finished and self.output.metrics.finished_time is None:
             self.output.metrics.finished_time = time.time()
         return ended_by_stop_string
@@ -208,7 +213,7 @@ class RequestState:
     def fail(self, reason: str) -> None:
         for sequence in self.output.outputs:
             if sequence.finish_reason is None:
-                sequence.finish_reason, sequence.stop_reason = "error", reason
+                sequence.finish_reason, sequence.error = FinishReason.ERROR.value, reason
         self.output.metrics.finished_time = self.output.metrics.finished_time or time.time()
 
     def _as_dict(self, logprobs: TokenLogprobs) -> dict[int, Logprob]:
@@ -217,12 +222,6 @@ class RequestState:
             token_id: Logprob(value, rank, decode(token_id))
             for token_id, value, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks)
         }
-
-
-def _stopped_by_token(output: EngineCoreOutput) -> bool:
-    """Whether the engine ended the request at its last token: eos (no stop
-    reason) or one of stop_token_ids (the reason is that id)."""
-    return output.finish_reason == "stop" and not isinstance(output.stop_reason, str) and bool(output.new_token_ids)
 
 
 Tracked = TypeVar("Tracked")

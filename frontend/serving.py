@@ -13,6 +13,7 @@ import msgspec
 
 from fleet.core.messages import KVTransferParams
 from fleet.core.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
+from fleet.core.validation import RequestLimits, validate_request
 from fleet.frontend.async_engine import AsyncEngine
 from fleet.frontend.output_processor import EMBEDDING_PARAMS, CompletionOutput, Logprob, RequestOutput, RequestState
 from fleet.frontend.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, now, random_id
@@ -51,8 +52,8 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.limits = engine.config.frontend
+        self.request_limits = RequestLimits.of(engine.config)
         self.max_model_len = engine.config.model.max_model_len
-        self.max_logprobs = engine.config.model.max_logprobs
         self.sampling_defaults = engine.config.model.sampling_defaults
         self.vocab_size = engine.config.model.hf_config.get("vocab_size")
 
@@ -91,14 +92,7 @@ class Serving:
                 self.limits.max_request_tokens, len(token_ids), request.n, logprobs,
                 request.prompt_logprobs_wanted(logprobs)))
         params = request.sampling_params(default_max_tokens, logprobs, self.sampling_defaults)
-        params.validate(self.max_logprobs, self.vocab_size)
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidParameter(
-                "max_tokens",
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the prompt, {params.max_tokens} "
-                "for the completion). Please reduce the length of the prompt or max_tokens.",
-            )
+        validate_request(self.request_limits, token_ids, params)
         return Prepared(prompt, token_ids, params, self.kv_transfer(request.kv_transfer_params))
 
     def kv_transfer(self, body: dict | None) -> KVTransferParams | None:
@@ -123,27 +117,19 @@ class Serving:
         self.sandbox.check_grammar(constraint, param)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(the prompt's text, or None for token ids; its token ids), checked
-        against the vocabulary and the context length; raises InvalidParameter."""
+        """(the prompt's text, or None for token ids; its token ids), not yet
+        validated (validate_request); raises InvalidParameter."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidParameter("prompt", "this model has no tokenizer: send token ids")
             self.check_prompt_chars(prompt, "prompt")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-            vocab = self.vocab_size or 0
-            if any(not 0 <= t < vocab for t in token_ids):
-                raise InvalidParameter("prompt", f"token ids must be in [0, {vocab})")
-            prompt = None
-        if not token_ids:
-            raise InvalidParameter("prompt", "the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidParameter(
-                "prompt",
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt has {len(token_ids)} tokens.",
-            )
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def embedding_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """tokenize_prompt, validated as an embedding request; raises InvalidParameter."""
+        prompt, token_ids = self.tokenize_prompt(prompt)
+        validate_request(self.request_limits, token_ids, EMBEDDING_PARAMS)
         return prompt, token_ids
 
     def check_prompt_chars(self, text: str, param: str) -> None:
@@ -505,7 +491,7 @@ def _finish_reason(sequence: CompletionOutput, calls: list) -> str | None:
 def _raise_if_failed(output: RequestOutput) -> None:
     for sequence in output.outputs:
         if sequence.finish_reason == "error":
-            raise RequestFailed(str(sequence.stop_reason))
+            raise RequestFailed(str(sequence.error))
 
 
 def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:

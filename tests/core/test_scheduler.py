@@ -355,10 +355,10 @@ def test_add_request_refuses_requests_that_could_never_run():
     add_requests(scheduler, create_requests(1, 10))
     with pytest.raises(ValueError, match="already in use"):
         add_requests(scheduler, create_requests(1, 10))
-    with pytest.raises(ValueError, match="num_prompt_tokens"):
+    with pytest.raises(ValueError, match="the prompt is empty"):
         add_requests(scheduler, create_requests(1, 0, id_prefix="empty"))
-    with pytest.raises(ValueError, match="max_model_len"):
-        add_requests(scheduler, create_requests(1, 65, id_prefix="long"))
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens. However, your prompt has 64 tokens"):
+        add_requests(scheduler, create_requests(1, 64, id_prefix="long"))
     with pytest.raises(ValueError, match="chunked prefill off"):
         add_requests(scheduler, create_requests(1, 33, id_prefix="unchunked"))
     scheduler.abort_requests(["req0"])

@@ -53,7 +53,7 @@ def run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]
 def test_only_the_bad_request_fails(engine, tiny_llama_dir, bad):
     finished = run(engine, {"good-0": (PROMPTS[0], GOOD), "bad": ([3, 4, 5], bad), "good-1": (PROMPTS[1], GOOD)})
     assert finished["bad"].finish_reason == "error"
-    assert "sampling failed" in str(finished["bad"].stop_reason)
+    assert "sampling failed" in finished["bad"].error
     oracle = hf_model(tiny_llama_dir)
     for index, prompt in enumerate(PROMPTS):
         assert finished[f"good-{index}"].finish_reason == "length"

@@ -10,6 +10,7 @@ import torch
 
 import fleet
 from fleet import SamplingParams
+from fleet.core.sampling_params import InvalidParameter
 from fleet.tests.engine.helpers import assert_all_blocks_free, assert_no_fleet_processes, random_prompts
 from fleet.tests.engine.oracle import greedy, hf_model, log_softmax
 
@@ -158,4 +159,20 @@ def test_abort_frees_blocks_at_once(llm_and_model):
     llm.abort(request_id)
     thread.join(timeout=10)
     assert result["out"][0].outputs[0].finish_reason == "abort"
+    assert_all_blocks_free(llm)
+
+
+def test_a_request_longer_than_the_context_is_refused_as_over_http(llm_and_model):
+    """fleet.LLM validates a request with the API server's function (core/validation.py): the same
+    errors, raised before anything reaches the engine."""
+    llm, _ = llm_and_model
+    max_model_len = llm.config.model.max_model_len
+    with pytest.raises(InvalidParameter, match=f"maximum context length is {max_model_len} tokens. "
+                                               f"However, your prompt has {max_model_len} tokens") as refused:
+        llm.generate([[5] * max_model_len], use_tqdm=False)
+    assert refused.value.param == "prompt"
+    with pytest.raises(InvalidParameter, match=f"you requested {max_model_len + 4} tokens") as refused:
+        llm.generate([[5] * (max_model_len - 4)], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert refused.value.param == "max_tokens"
+    assert not llm._requests
     assert_all_blocks_free(llm)

@@ -12,6 +12,7 @@ import pytest
 
 import fleet
 from fleet import SamplingParams
+from fleet.core.sampling_params import InvalidParameter
 from fleet.tests.engine.oracle import greedy, hf_model
 from fleet.tests.frontend.server import Server
 
@@ -152,6 +153,20 @@ def test_errors_have_openai_shape(server):
     assert_openai_error(malformed, 400)
     assert_openai_error(server.post("/v1/completions", json={"model": name}), 400, "prompt")
     assert_openai_error(server.post("/v1/chat/completions", json={"model": name, "messages": "nope"}), 400, "messages")
+
+
+@pytest.mark.parametrize(("num_prompt_tokens", "max_tokens", "param"), [(2048, 1, "prompt"), (2044, 8, "max_tokens")])
+def test_a_request_past_the_context_is_refused_alike_over_http_and_offline(server, offline, num_prompt_tokens,
+                                                                           max_tokens, param):
+    """One validation for both paths (core/validation.py): the same parameter, the same message."""
+    assert offline.config.model.max_model_len == 2048
+    prompt = [5] * num_prompt_tokens
+    body = {"model": model_name(server), "prompt": prompt, "max_tokens": max_tokens}
+    error = assert_openai_error(server.post("/v1/completions", json=body), 400, param)
+    with pytest.raises(InvalidParameter) as refused:
+        offline.generate([prompt], SamplingParams(max_tokens=max_tokens), use_tqdm=False)
+    assert (refused.value.param, str(refused.value)) == (param, error["message"])
+    assert "maximum context length is 2048 tokens" in error["message"]
 
 
 SERVER_KILLERS = [  # each of these once ended the whole server (a worker's IndexError) or gave a 500
