@@ -115,7 +115,8 @@ class RunnerOutputBuilder:
         this step's chunk predicts (hidden at position j predicts token j+1)."""
         result: dict[str, list[TokenLogprobs]] = {}
         offset = 0
-        for state, n, seq_len in zip(batch.requests, batch.attention.query_lens, batch.attention.seq_lens_list):
+        lengths = zip(batch.attention.query_lens, batch.attention.seq_lens_list, strict=True)
+        for state, (n, seq_len) in zip(batch.requests, lengths, strict=True):
             start = seq_len - n
             last_predicting = min(seq_len, state.num_prompt_tokens - 1)
             if state.params.prompt_logprobs is not None and start < last_predicting:
@@ -143,4 +144,4 @@ def _logit_rows(batch: StepBatch, sampling: list[int], num_rows: list[int]) -> l
     """Each sampling request's last position; with drafts, also the positions
     before it from its last token on."""
     ends = batch.attention.query_start_loc[1:].tolist()
-    return [row for i, n in zip(sampling, num_rows) for row in range(ends[i] - n, ends[i])]
+    return [row for i, n in zip(sampling, num_rows, strict=True) for row in range(ends[i] - n, ends[i])]
