@@ -84,7 +84,7 @@ class Worker:
             needed = blocks_per_sequence(max_model_len, block_size)
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks ({budget} bytes) but one sequence of "
-                f"--max-model-len {self.config.model.max_model_len} needs {needed}: "
+                f"--max-model-len {max_model_len} needs {needed}: "
                 "raise --kv-cache-memory-bytes / --gpu-memory-utilization or lower --max-model-len"
             )
         return int(num_blocks)

@@ -169,10 +169,10 @@ def num_sandbox_processes(config: FleetConfig) -> int:
 
 
 def _check_one_sequence_fits(config: FleetConfig, plan: NodeMemory) -> None:
-    length, block_size = config.model.max_model_len, config.cache.block_size
-    if kv_blocks.holds_a_full_sequence(plan.worker.kv_cache // kv_bytes_per_block(config), length, block_size):
+    length, block_size, per_block = config.model.max_model_len, config.cache.block_size, kv_bytes_per_block(config)
+    if kv_blocks.holds_a_full_sequence(plan.worker.kv_cache // per_block, length, block_size):
         return
-    needed = kv_bytes_per_block(config) * blocks_per_sequence(config)
+    needed = per_block * blocks_per_sequence(config)
     if plan.kv_cache_source == "--kv-cache-memory-bytes":
         raise ValueError(
             f"--kv-cache-memory-bytes {human_bytes(plan.worker.kv_cache)} holds less than one sequence of "
